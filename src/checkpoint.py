@@ -1,0 +1,119 @@
+"""Resumable checkpoints: accelerate's `save_state` plus where the loop stood, and nothing half-written.
+
+A checkpoint is written to `checkpoint-<step>.incomplete/` and renamed to `checkpoint-<step>/` only when
+every rank has finished writing, so a kill during a save leaves the previous checkpoint as the latest.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from src.errors import UserError
+
+STATE_FILE = "training_state.json"
+PREFIX = "checkpoint-"
+RESULTS_FILE = "all_results.json"
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    """Finished checkpoints, oldest first."""
+    found = []
+    for path in Path(output_dir).glob(f"{PREFIX}*"):
+        step = path.name[len(PREFIX) :]
+        if step.isdigit() and (path / STATE_FILE).is_file():
+            found.append((int(step), path))
+    return [path for _, path in sorted(found)]
+
+
+def check_output_dir(output_dir: Path, overwrite: bool, resume: bool):
+    """Refuse to train over a finished run or its checkpoints unless asked to."""
+    if resume or overwrite or not Path(output_dir).is_dir():
+        return
+    earlier = [p.name for p in complete_checkpoints(output_dir)] + (
+        [RESULTS_FILE] if (Path(output_dir) / RESULTS_FILE).exists() else []
+    )
+    if earlier:
+        raise UserError(
+            f"--output_dir {output_dir} already holds a run ({', '.join(earlier[-3:])}); pass "
+            "--resume_from_checkpoint latest to continue it, --overwrite_output_dir to start afresh there, "
+            "or choose another --output_dir"
+        )
+
+
+def remove_checkpoints(output_dir: Path):
+    for path in Path(output_dir).glob(f"{PREFIX}*"):
+        shutil.rmtree(path)
+
+
+def save_checkpoint(accelerator, output_dir: Path, state: dict, is_writer: bool, save_total_limit=None) -> Path:
+    """Save model, optimizer, scheduler and RNG states (every rank) and `state` (the loop's position).
+
+    `is_writer`: the process that renames and rotates, the main one, or each node's local main when nodes
+    do not share a file system.
+    """
+    final = Path(output_dir) / f"{PREFIX}{state['global_step']}"
+    partial = final.with_name(final.name + ".incomplete")
+    if is_writer and partial.exists():
+        shutil.rmtree(partial)  # left by a run killed while saving
+    accelerator.wait_for_everyone()  # nobody may write into the folder while it is being removed
+    accelerator.save_state(str(partial))
+    if is_writer:
+        (partial / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
+    accelerator.wait_for_everyone()  # every rank's files are in before the checkpoint counts
+    if is_writer:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        if save_total_limit:
+            keep = {Path(state["best_checkpoint"]).name} if state.get("best_checkpoint") else set()
+            checkpoints = complete_checkpoints(output_dir)
+            for old in checkpoints[: max(0, len(checkpoints) - save_total_limit)]:
+                if old.name not in keep:
+                    shutil.rmtree(old)
+    return final
+
+
+def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
+    """The folder named by --resume_from_checkpoint (a path, or 'latest' in --output_dir), checked."""
+    if spec == "latest":
+        latest = newest_checkpoint(output_dir)
+        if latest is None:
+            raise UserError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir}")
+        return latest
+    path = Path(spec)
+    if not path.is_dir():
+        raise UserError(f"--resume_from_checkpoint {spec}: no such folder")
+    if not (path / STATE_FILE).is_file():
+        raise UserError(
+            f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); it may have been "
+            "cut short while saving: use an earlier checkpoint or 'latest'"
+        )
+    return path
+
+
+def load_checkpoint(accelerator, path: Path) -> dict:
+    """Restore everything `save_checkpoint` saved; returns the loop's position."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+        position = (state["global_step"], state["epoch"], state["batches_in_epoch"], state["num_processes"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"checkpoint {path}: {STATE_FILE} is unreadable or incomplete ({err}); use another") from err
+    if position[3] != accelerator.num_processes:
+        raise UserError(
+            f"checkpoint {path} was written by {position[3]} processes and this run has "
+            f"{accelerator.num_processes}; resume with the same number so the data order continues exactly"
+        )
+    try:
+        accelerator.load_state(str(path))
+    except Exception as err:  # torch, safetensors and pickle each raise their own types for a damaged file
+        raise UserError(
+            f"checkpoint {path} cannot be loaded ({' '.join(str(err).split())[:300]}); it is damaged or from "
+            "another model: use an earlier checkpoint"
+        ) from err
+    return state
+
+
+def newest_checkpoint(output_dir: Path) -> Path | None:
+    checkpoints = complete_checkpoints(output_dir) if Path(output_dir).is_dir() else []
+    return checkpoints[-1] if checkpoints else None

@@ -1,0 +1,256 @@
+"""Loading, column detection, label mapping, tokenisation and the dataloaders.
+
+Every function here runs identically on every rank; train.py calls the loading and tokenising ones under
+`main_process_first()` so that rank 0 fills the datasets cache and the others read it.
+"""
+
+from pathlib import Path
+
+import torch
+from datasets import ClassLabel, Dataset, DatasetDict, Value, load_dataset
+from torch.utils.data import DataLoader, Sampler
+from transformers import DataCollatorWithPadding
+
+from src.errors import UserError
+
+# The `datasets` builder (and its options) for each local file type. GLUE-style TSVs are unquoted.
+FILE_BUILDERS = {
+    ".csv": ("csv", {}),
+    ".tsv": ("csv", {"delimiter": "\t", "quoting": 3}),
+    ".json": ("json", {}),
+    ".jsonl": ("json", {}),
+    ".parquet": ("parquet", {}),
+}
+SINGLE_TEXT_COLUMNS = ("sentence", "text")
+TEXT_PAIR_COLUMNS = (
+    ("sentence1", "sentence2"),
+    ("premise", "hypothesis"),
+    ("question1", "question2"),
+    ("question", "sentence"),
+)
+LABEL_COLUMNS = ("label", "labels")
+INDEX_COLUMN = "example_index"  # position in the evaluated data, so results can be put back in order
+
+
+def load_file(path: Path) -> Dataset:
+    path = Path(path)
+    builder = FILE_BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise UserError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(FILE_BUILDERS)}")
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    name, options = builder
+    try:
+        dataset = load_dataset(name, data_files=str(path), split="train", **options)
+    except Exception as err:  # the builders raise many types for unreadable input
+        raise UserError(f"{path}: cannot be read as {path.suffix[1:]}: {' '.join(str(err).split())[:300]}") from err
+    if len(dataset) == 0:
+        raise UserError(f"{path}: the file has no rows")
+    return dataset
+
+
+def load_hub_dataset(dataset_name: str, config_name: str | None) -> DatasetDict:
+    try:
+        return load_dataset(dataset_name, config_name)
+    except Exception as err:
+        raise UserError(
+            f"--dataset_name {dataset_name}: cannot be loaded ({' '.join(str(err).split())[:300]}); check the name, "
+            "--dataset_config_name and network access, or use local files instead"
+        ) from err
+
+
+def pick_split(splits: DatasetDict, split: str) -> str | None:
+    """The split called `split`, or the first that starts with it (GLUE MNLI has 'validation_matched')."""
+    return next((name for name in splits if name == split), None) or next(
+        (name for name in sorted(splits) if name.startswith(split)), None
+    )
+
+
+def load_raw_splits(args) -> DatasetDict:
+    """The 'train' and 'validation' splits that train.py asks for (the demo task when no data is named)."""
+    if args.dataset_name:
+        hub = load_hub_dataset(args.dataset_name, args.dataset_config_name)
+        if "train" not in hub:
+            raise UserError(f"--dataset_name {args.dataset_name} has no 'train' split; it has {', '.join(hub)}")
+        validation = pick_split(hub, "validation")
+        splits = DatasetDict(train=hub["train"], **({"validation": hub[validation]} if validation else {}))
+    elif args.train_file:
+        splits = DatasetDict(train=load_file(args.train_file))
+        if args.validation_file:
+            splits["validation"] = load_file(args.validation_file)
+    else:
+        from src.demo_data import make_demo_splits
+
+        splits = make_demo_splits()
+    if "validation" not in splits:
+        held_out = splits["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=args.seed)
+        splits = DatasetDict(train=held_out["train"], validation=held_out["test"])
+    if args.max_train_samples:
+        splits["train"] = splits["train"].select(range(min(args.max_train_samples, len(splits["train"]))))
+    if args.max_eval_samples:
+        splits["validation"] = splits["validation"].select(range(min(args.max_eval_samples, len(splits["validation"]))))
+    return splits
+
+
+def detect_columns(
+    column_names: list[str],
+    text_column: str | None = None,
+    text_pair_column: str | None = None,
+    label_column: str | None = None,
+    need_label: bool = True,
+) -> tuple[str, str | None, str | None]:
+    """(text, text pair or None, label or None): the given names, checked, or the conventional ones found."""
+    available = ", ".join(column_names)
+    for flag, name in (
+        ("--text_column", text_column),
+        ("--text_pair_column", text_pair_column),
+        ("--label_column", label_column),
+    ):
+        if name is not None and name not in column_names:
+            raise UserError(f"{flag} {name!r} is not in the data; its columns are: {available}")
+    if text_column is None:
+        pair = next((p for p in TEXT_PAIR_COLUMNS if p[0] in column_names and p[1] in column_names), None)
+        single = next((c for c in SINGLE_TEXT_COLUMNS if c in column_names), None)
+        if pair and text_pair_column is None:
+            text_column, text_pair_column = pair
+        elif single:
+            text_column = single
+        else:
+            raise UserError(f"no text column found among: {available}; name it with --text_column")
+    if label_column is None:
+        label_column = next((c for c in LABEL_COLUMNS if c in column_names), None)
+        if label_column is None and need_label:
+            raise UserError(f"no label column found among: {available}; name it with --label_column")
+    return text_column, text_pair_column, label_column
+
+
+def label_names_of(dataset: Dataset, label_column: str) -> list[str] | None:
+    """Class names in id order, or None for regression (float labels)."""
+    feature = dataset.features[label_column]
+    if isinstance(feature, ClassLabel):
+        return list(feature.names)
+    if not isinstance(feature, Value):
+        raise UserError(f"label column {label_column!r} holds {feature}; labels must be numbers or strings")
+    values = dataset.unique(label_column)
+    if None in values:
+        raise UserError(f"label column {label_column!r} has empty values; fill or drop those rows")
+    if feature.dtype.startswith("float"):
+        return None
+    if feature.dtype.startswith(("int", "uint")):
+        return [str(v) for v in sorted(values)]
+    if feature.dtype in ("string", "large_string"):
+        return sorted(values)
+    raise UserError(f"label column {label_column!r} has type {feature.dtype}; use integers, strings or floats")
+
+
+def tokenize(
+    dataset: Dataset,
+    tokenizer,
+    text_column: str,
+    text_pair_column: str | None,
+    label_column: str | None,
+    max_length: int,
+    label2id: dict[str, int] | None,
+) -> Dataset:
+    """Token ids, `labels` (class ids, or floats when `label2id` is None) and the row's position.
+
+    Raises UserError for a label that `label2id` does not know, e.g. evaluating on a class the model never saw.
+    """
+    class_label = dataset.features[label_column] if label_column else None
+    class_names = class_label.names if isinstance(class_label, ClassLabel) else None
+    if class_names is not None and set(dataset.unique(label_column)) == {-1}:
+        label_column = None  # unlabelled split, e.g. GLUE's test sets
+
+    def encode(rows, indices):
+        texts = [str(t) if t is not None else "" for t in rows[text_column]]
+        pairs = [str(t) if t is not None else "" for t in rows[text_pair_column]] if text_pair_column else None
+        encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length)
+        encoded[INDEX_COLUMN] = indices
+        if label_column is None:
+            return encoded
+        raw = rows[label_column]
+        if label2id is None:
+            encoded["labels"] = [float(v) for v in raw]
+            return encoded
+        names = [class_names[v] if class_names else str(v) for v in raw]
+        unknown = sorted({n for n in names if n not in label2id})
+        if unknown:
+            raise UserError(
+                f"label(s) {', '.join(unknown[:10])} in column {label_column!r} are not among the model's labels "
+                f"({', '.join(label2id)})"
+            )
+        encoded["labels"] = [label2id[n] for n in names]
+        return encoded
+
+    return dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names, desc="Tokenizing")
+
+
+class LengthGroupedSampler(Sampler[int]):
+    """A shuffle in which consecutive batches hold examples of similar length, fresh for each epoch.
+
+    The order depends only on (seed, epoch): a resumed run gets the same batches, and every rank computes
+    the same order (accelerate then deals the batches out). `batch_size` is the global batch (per device x
+    processes) so that 2 ranks x 4 and 1 rank x 8 see the same examples in each optimizer step.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, group_by_length: bool = True, groups: int = 16):
+        self.lengths = lengths
+        self.batch_size = batch_size
+        self.seed = seed
+        self.group_by_length = group_by_length
+        self.window = batch_size * groups
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        if not self.group_by_length:
+            yield from order
+            return
+        # Sort within windows of a few batches: lengths line up, batches still change every epoch.
+        for start in range(0, len(order), self.window):
+            order[start : start + self.window] = sorted(
+                order[start : start + self.window], key=self.lengths.__getitem__
+            )
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        # Shuffle the batches (the short last one stays last) so lengths do not rise steadily within a window.
+        full = len(order) // self.batch_size
+        for position in torch.randperm(full, generator=generator).tolist():
+            yield from batches[position]
+        if full < len(batches):
+            yield from batches[-1]
+
+
+def build_train_dataloader(
+    dataset: Dataset, tokenizer, batch_size, num_processes, seed, group_by_length=True, pad_to_multiple_of=None
+) -> DataLoader:
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    sampler = LengthGroupedSampler(lengths, batch_size * num_processes, seed, group_by_length)
+    return DataLoader(
+        dataset.remove_columns(INDEX_COLUMN),
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of),
+        # The loader's own generator: starting an epoch must not draw from the global RNG that dropout uses,
+        # or a resumed run would drop out different units than the uninterrupted one.
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def build_eval_dataloader(dataset: Dataset, tokenizer, batch_size, pad_to_multiple_of=None) -> DataLoader:
+    """Longest examples first, so batches hold similar lengths; `evaluate` puts results back in row order."""
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    by_length = sorted(range(len(dataset)), key=lambda i: -lengths[i])
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=by_length,
+        collate_fn=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of),
+        generator=torch.Generator().manual_seed(0),
+    )

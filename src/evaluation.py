@@ -1,0 +1,51 @@
+"""Distributed evaluation: every example counted exactly once, results returned in row order."""
+
+import torch
+import torch.nn.functional as F
+
+from src.data import INDEX_COLUMN
+from src.metrics import compute_metrics
+
+
+def evaluate(model, dataloader, accelerator, is_regression: bool) -> tuple[dict, dict]:
+    """(metrics prefixed 'eval_', per-example columns) over the whole dataset, on any number of processes.
+
+    The distributed sampler pads the last batches with repeated examples so that every rank gets the same
+    number; `gather_for_metrics` drops those repeats, and the row index puts the length-sorted batches
+    back in dataset order.
+    """
+    model.eval()
+    gathered = {"index": [], "prediction": [], "label": [], "loss": []}
+    for batch in dataloader:
+        index = batch.pop(INDEX_COLUMN)
+        labels = batch.pop("labels", None)
+        with torch.no_grad():
+            logits = model(**batch).logits.float()
+        predictions = logits.squeeze(-1) if is_regression else logits.argmax(dim=-1)
+        values = {"index": index, "prediction": predictions}
+        if labels is not None:
+            values["label"] = labels
+            # Per-example losses: the model's batch mean would weigh the padding repeats in.
+            if is_regression:
+                values["loss"] = F.mse_loss(predictions, labels.float(), reduction="none")
+            else:
+                values["loss"] = F.cross_entropy(logits, labels, reduction="none")
+        for key, value in accelerator.gather_for_metrics(values).items():
+            gathered[key].append(value.cpu())
+    model.train()
+
+    columns = {key: torch.cat(parts) for key, parts in gathered.items() if parts}
+    order = torch.argsort(columns["index"])
+    columns = {key: value[order] for key, value in columns.items()}
+    if not torch.equal(columns["index"], torch.arange(len(dataloader.dataset))):
+        raise RuntimeError("evaluation did not see every example exactly once; please report this as a bug")
+
+    metrics = {"eval_samples": len(order)}
+    if "label" in columns:
+        metrics["eval_loss"] = columns["loss"].mean().item()
+        num_labels = 1 if is_regression else logits.shape[-1]
+        scores = compute_metrics(
+            columns["prediction"].tolist(), columns["label"].tolist(), is_regression, num_labels=num_labels
+        )
+        metrics.update({f"eval_{name}": value for name, value in scores.items()})
+    return metrics, {key: columns[key].tolist() for key in ("index", "label", "prediction") if key in columns}

@@ -1,0 +1,57 @@
+"""Metrics through the `evaluate` library, from the modules in src/metric_modules.
+
+`evaluate.load("accuracy")` fetches its module from the Hub; loading the shipped files works offline.
+"""
+
+import importlib
+import math
+import sys
+from functools import cache
+from pathlib import Path
+
+MODULES = Path(__file__).parent / "metric_modules"
+CLASSIFICATION_METRICS = ("accuracy", "f1", "matthews_correlation")
+REGRESSION_METRICS = ("pearsonr", "spearmanr", "mse")
+LOWER_IS_BETTER = ("mse", "loss")
+
+
+def main_metric(is_regression: bool) -> str:
+    return "mse" if is_regression else "accuracy"
+
+
+def greater_is_better(metric: str) -> bool:
+    return metric not in LOWER_IS_BETTER
+
+
+def _evaluate_library():
+    """The `evaluate` package itself: run from the repo root, the project's evaluate.py would shadow it."""
+    repo = Path(__file__).resolve().parents[1]
+    if hasattr(sys.modules.get("evaluate"), "load"):
+        return sys.modules["evaluate"]
+    sys.modules.pop("evaluate", None)
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != repo]
+    try:
+        return importlib.import_module("evaluate")
+    finally:
+        sys.path[:] = saved
+
+
+@cache
+def load_metric(name: str):
+    # keep_in_memory: every rank computes the same metric; files in a shared cache would collide.
+    return _evaluate_library().load(str(MODULES / f"{name}.py"), keep_in_memory=True)
+
+
+def compute_metrics(predictions: list, references: list, is_regression: bool, num_labels: int = 2) -> dict:
+    """Unprefixed metric values, e.g. {'accuracy': 0.9, 'f1': 0.88, 'matthews_correlation': 0.8}."""
+    results = {}
+    if is_regression:
+        for name in REGRESSION_METRICS:
+            results.update(load_metric(name).compute(predictions=predictions, references=references))
+        # A constant prediction has no correlation: report 0 rather than NaN so "best model" stays comparable.
+        return {k: 0.0 if math.isnan(v) else v for k, v in results.items()}
+    for name in CLASSIFICATION_METRICS:
+        options = {"average": "binary" if num_labels == 2 else "macro"} if name == "f1" else {}
+        results.update(load_metric(name).compute(predictions=predictions, references=references, **options))
+    return results

@@ -1,0 +1,165 @@
+"""Shared fixtures: a tiny random BERT and tiny datasets, all made in temporary folders (no network)."""
+
+import csv
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_CONFIG = REPO / "accelerate_configs" / "cpu.yaml"
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Each in-process main() starts from a clean Accelerate state, as a new process would."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _vocabulary() -> list[str]:
+    from src.demo_data import NEGATIVE, POSITIVE, SUBJECTS, TEMPLATES
+
+    words = {
+        w for text in SUBJECTS + [t for t, _ in TEMPLATES] for w in text.replace("{", " ").replace("}", " ").split()
+    }
+    words |= set(POSITIVE) | set(NEGATIVE) | {"neutral", "okay", "fine", "so", "so-so"}
+    return ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(words)
+
+
+def make_tiny_model(folder: Path, dropout: float = 0.1) -> Path:
+    """A 2-layer BERT with hidden size 32 and a word-level vocabulary of the test sentences."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(_vocabulary()) + "\n")
+    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    config = BertConfig(
+        vocab_size=len(_vocabulary()),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    import torch
+
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-bert"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_no_dropout(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-bert-no-dropout"), dropout=0.0)
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    """Rows to .csv/.tsv/.json/.jsonl/.parquet, chosen by the file's extension."""
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    suffix = path.suffix
+    if suffix in (".csv", ".tsv"):
+        frame.to_csv(path, index=False, sep="\t" if suffix == ".tsv" else ",", quoting=csv.QUOTE_MINIMAL)
+    elif suffix == ".json":
+        frame.to_json(path, orient="records")
+    elif suffix == ".jsonl":
+        frame.to_json(path, orient="records", lines=True)
+    elif suffix == ".parquet":
+        frame.to_parquet(path)
+    return path
+
+
+def sentiment_rows(count: int, seed: int = 0) -> list[dict]:
+    from src.demo_data import _sentence
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        sentence, label = _sentence(rng)
+        rows.append({"sentence": sentence, "label": ["negative", "positive"][label]})
+    return rows
+
+
+@pytest.fixture
+def tiny_data(tmp_path) -> tuple[Path, Path]:
+    """(train.csv with 64 rows, dev.csv with 37 rows): string labels, an uneven validation size."""
+    return write_rows(tmp_path / "train.csv", sentiment_rows(64, seed=1)), write_rows(
+        tmp_path / "dev.csv", sentiment_rows(37, seed=2)
+    )
+
+
+def train_args(model: Path, train: Path, dev: Path, output_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--model_name_or_path",
+        str(model),
+        "--train_file",
+        str(train),
+        "--validation_file",
+        str(dev),
+        "--output_dir",
+        str(output_dir),
+        "--per_device_train_batch_size",
+        "8",
+        "--per_device_eval_batch_size",
+        "8",
+        "--num_train_epochs",
+        "2",
+        "--learning_rate",
+        "1e-3",
+        "--report_to",
+        "none",
+        "--seed",
+        "7",
+        *extra,
+    ]
+
+
+def load_script(name: str):
+    """train.py or evaluate.py as a module (evaluate.py would clash with the `evaluate` package by name)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}_script", REPO / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def launch(
+    script: str, args: list[str], num_processes: int = 2, timeout: int = 300, **popen
+) -> subprocess.CompletedProcess:
+    """Run a script under `accelerate launch` with really `num_processes` CPU ranks (gloo)."""
+    port = str(random.randint(20000, 40000))
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CPU_CONFIG),
+        "--num_processes",
+        str(num_processes),
+        "--main_process_port",
+        port,
+        str(REPO / script),
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **popen)

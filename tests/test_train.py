@@ -1,0 +1,123 @@
+"""End-to-end runs of train.py's and evaluate.py's main() in this process, on a tiny random BERT."""
+
+import json
+
+import pytest
+import torch
+from conftest import load_script, sentiment_rows, train_args, write_rows
+from transformers import AutoConfig, AutoModelForSequenceClassification
+
+train = load_script("train")
+evaluate_script = load_script("evaluate")
+
+
+def run_train(*argv):
+    return train.main(train.parse_train_args(list(argv)))
+
+
+def test_classification_end_to_end(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "out"
+    results = run_train(
+        *train_args(
+            tiny_model, *tiny_data, out, "--eval_steps", "3", "--logging_steps", "2", "--report_to", "tensorboard"
+        )
+    )
+
+    saved = json.loads((out / "all_results.json").read_text())
+    assert saved == pytest.approx(results)
+    for key in (
+        "eval_accuracy",
+        "eval_f1",
+        "eval_matthews_correlation",
+        "eval_loss",
+        "train_runtime",
+        "train_samples_per_second",
+        "num_processes",
+        "total_train_batch_size",
+        "global_step",
+    ):
+        assert key in saved, key
+    assert saved["num_processes"] == 1 and saved["total_train_batch_size"] == 8 and saved["global_step"] == 16
+    assert saved["eval_samples"] == 37
+
+    # String labels became ids, and the mapping travels with the model.
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    assert model.config.label2id == {"negative": 0, "positive": 1}
+    weights = (out / "model.safetensors").read_bytes()[:4000].decode("latin-1")
+    assert "module." not in weights
+
+    args = json.loads((out / "args.json").read_text())
+    assert args["text_column"] == "sentence" and args["label_column"] == "label"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("loss" in r and "learning_rate" in r for r in records)
+    assert [r["step"] for r in records if "eval_accuracy" in r] == [3, 6, 8, 9, 12, 15, 16]
+    assert (out / "training_curves.png").stat().st_size > 10_000
+    assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
+
+
+def test_regression_with_text_pairs(tiny_model, tmp_path):
+    rows = [
+        {"sentence1": r["sentence"], "sentence2": "so so", "score": float(i % 5) / 2}
+        for i, r in enumerate(sentiment_rows(40))
+    ]
+    train_file = write_rows(tmp_path / "train.jsonl", rows[:32])
+    dev_file = write_rows(tmp_path / "dev.parquet", rows[32:])
+    out = tmp_path / "out"
+    results = run_train(*train_args(tiny_model, train_file, dev_file, out, "--label_column", "score"))
+    assert {"eval_mse", "eval_pearson", "eval_spearmanr"} <= results.keys()
+    config = AutoConfig.from_pretrained(out)
+    assert config.num_labels == 1 and config.problem_type == "regression"
+    args = json.loads((out / "args.json").read_text())
+    assert (args["text_column"], args["text_pair_column"]) == ("sentence1", "sentence2")
+    assert args["metric_for_best_model"] == "mse" and args["greater_is_better"] is False
+
+
+def test_validation_split_carved_from_train_and_int_labels(tiny_model, tmp_path):
+    rows = [{"text": r["sentence"], "label": 3 if r["label"] == "positive" else 7} for r in sentiment_rows(50)]
+    train_file = write_rows(tmp_path / "train.tsv", rows)
+    out = tmp_path / "out"
+    results = run_train(
+        "--model_name_or_path",
+        str(tiny_model),
+        "--train_file",
+        str(train_file),
+        "--output_dir",
+        str(out),
+        "--num_train_epochs",
+        "1",
+        "--report_to",
+        "none",
+        "--validation_split_percentage",
+        "20",
+    )
+    assert results["eval_samples"] == 10
+    assert AutoConfig.from_pretrained(out).id2label == {0: "3", 1: "7"}
+
+
+def test_evaluate_script_writes_results_predictions_and_picture(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "out"
+    run_train(*train_args(tiny_model, *tiny_data, out, "--num_train_epochs", "1"))
+    args = evaluate_script.parse_eval_args(
+        ["--model_name_or_path", str(out), "--validation_file", str(tiny_data[1]), "--per_device_eval_batch_size", "5"]
+    )
+    metrics = evaluate_script.main(args)
+    assert metrics == pytest.approx(json.loads((out / "eval_results.json").read_text()), abs=1e-6)
+    lines = (out / "predictions.csv").read_text().splitlines()
+    assert lines[0] == "index,label,prediction" and len(lines) == 38
+    assert [int(line.split(",")[0]) for line in lines[1:]] == list(range(37))
+    labels = [row["label"] for row in sentiment_rows(37, seed=2)]
+    assert [line.split(",")[1] for line in lines[1:]] == labels
+    assert (out / "confusion_matrix.png").stat().st_size > 5_000
+
+
+def test_trained_weights_match_the_saved_model(tiny_model, tiny_data, tmp_path):
+    """What from_pretrained reads back predicts exactly what the run evaluated."""
+    out = tmp_path / "out"
+    results = run_train(*train_args(tiny_model, *tiny_data, out, "--num_train_epochs", "1"))
+    metrics = evaluate_script.main(
+        evaluate_script.parse_eval_args(["--model_name_or_path", str(out), "--validation_file", str(tiny_data[1])])
+    )
+    assert metrics["eval_accuracy"] == pytest.approx(results["eval_accuracy"])
+    assert metrics["eval_loss"] == pytest.approx(results["eval_loss"], abs=1e-5)
+    assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
