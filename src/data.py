@@ -43,6 +43,8 @@ def load_file(path: Path) -> Dataset:
     try:
         dataset = load_dataset(name, data_files=str(path), split="train", **options)
     except Exception as err:  # the builders raise many types for unreadable input
+        if "corresponds to no data" in str(err):  # a header and no rows
+            raise UserError(f"{path}: the file has no rows") from err
         raise UserError(f"{path}: cannot be read as {path.suffix[1:]}: {' '.join(str(err).split())[:300]}") from err
     if len(dataset) == 0:
         raise UserError(f"{path}: the file has no rows")

@@ -143,23 +143,14 @@ def load_script(name: str):
     return module
 
 
-def launch(
-    script: str, args: list[str], num_processes: int = 2, timeout: int = 300, **popen
-) -> subprocess.CompletedProcess:
-    """Run a script under `accelerate launch` with really `num_processes` CPU ranks (gloo)."""
+def launch_command(script: str, args: list[str], num_processes: int = 2) -> list[str]:
+    """`accelerate launch` with really `num_processes` CPU ranks (gloo), on a random free-ish port."""
     port = str(random.randint(20000, 40000))
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(CPU_CONFIG),
-        "--num_processes",
-        str(num_processes),
-        "--main_process_port",
-        port,
-        str(REPO / script),
-        *args,
-    ]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG)]
+    return [*launcher, "--num_processes", str(num_processes), "--main_process_port", port, str(REPO / script), *args]
+
+
+def launch(script: str, args: list[str], num_processes: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **popen)
+    command = launch_command(script, args, num_processes)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

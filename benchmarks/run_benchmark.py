@@ -1,0 +1,355 @@
+"""Time the project's train.py against a transformers Trainer peer and a plain PyTorch peer on one workload.
+
+    python benchmarks/run_benchmark.py                      # 3 runs x 1 seed, a few minutes on 2 CPU cores
+    python benchmarks/run_benchmark.py --seeds 1 2 3 --output benchmarks/results/table.md
+    python benchmarks/run_benchmark.py --only project plain
+
+Every run is a separate process timed from the outside, so the wall time includes imports, model loading
+and tokenisation. Each run also gets an empty `datasets` cache, so none reuses another's work.
+The markdown table goes to stdout (and to --output); logs and run folders go to benchmarks/results/.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import accelerate
+import torch
+import transformers
+from peer_common import REPO_ROOT, default_model_path
+from transformers import AutoModelForSequenceClassification
+
+BENCHMARKS = Path(__file__).resolve().parent
+DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data" / "sst2"
+PEERS = {
+    "project": "train.py (Accelerate)",
+    "trainer": "transformers Trainer",
+    "plain": "plain PyTorch loop",
+}
+SAMPLE_SEED = 1234  # fixed: every session and every peer trains on the same 2,000 rows
+# The workload, passed identically to all three (train.py's defaults give warmup 0.1 and weight decay 0.01).
+EPOCHS, BATCH_SIZE, LEARNING_RATE, MAX_LENGTH = 1, 32, 5e-5, 128
+# Dense bf16 tensor-core peaks from the vendors' data sheets, shown for context on CUDA machines only.
+KNOWN_BF16_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=2000, help="Shuffled training rows to sample from SST-2.")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[42], help="One run per peer per seed.")
+    parser.add_argument("--only", nargs="+", choices=list(PEERS), default=list(PEERS), help="Run only these peers.")
+    parser.add_argument("--output", type=Path, help="Also write the markdown table to this file.")
+    parser.add_argument("--data_dir", type=Path, default=DEFAULT_DATA_DIR, help="SST-2 train.tsv, validation.tsv.")
+    parser.add_argument("--results_dir", type=Path, default=BENCHMARKS / "results", help="Git-ignored work folder.")
+    return parser.parse_args()
+
+
+def write_sample(source: Path, rows: int, destination: Path) -> Path:
+    """A deterministic shuffled sample of `rows` lines of an unquoted TSV, copied byte for byte."""
+    header, *lines = source.read_text(encoding="utf-8").splitlines(keepends=True)
+    if rows > len(lines):
+        raise SystemExit(f"--rows {rows}: {source} has only {len(lines)} rows")
+    random.Random(SAMPLE_SEED).shuffle(lines)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    destination.write_text(header + "".join(lines[:rows]), encoding="utf-8")
+    return destination
+
+
+def count_rows(path: Path) -> int:
+    return sum(1 for line in path.read_text(encoding="utf-8").splitlines()[1:] if line.strip())
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    text = f"{cpu}, {os.cpu_count()} cores ({torch.get_num_threads()} torch threads)"
+    if torch.cuda.is_available():
+        text += f", GPU {torch.cuda.get_device_name(0)}"
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    return f"{text}; {versions}, accelerate {accelerate.__version__}; Python {platform.python_version()}"
+
+
+def count_parameters(model_path: str) -> tuple[int, int]:
+    """(non-embedding, total) parameters of the classifier all three peers train."""
+    model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=2)
+    total = sum(p.numel() for p in model.parameters())
+    # Embedding lookups cost no matmul FLOPs, so the 6N rule leaves them out (word, position and type tables).
+    embeddings = sum(p.numel() for p in model.base_model.embeddings.parameters())
+    return total - embeddings, total
+
+
+def measure_matmul_peak(device: torch.device, size: int, repeats: int = 5, per_repeat: int = 3) -> float:
+    """Best float32 matmul rate in FLOP/s at the default thread count: a practical ceiling for this machine."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    torch.matmul(a, b)  # warm-up: thread pool, cuBLAS handles, caches
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(per_repeat):
+            torch.matmul(a, b)
+        sync()
+        best = min(best, (time.perf_counter() - start) / per_repeat)
+    return 2 * size**3 / best
+
+
+def peer_command(peer: str, train_file: Path, validation_file: Path, run_dir: Path, seed: int) -> list[str]:
+    common = [
+        "--train_file",
+        str(train_file),
+        "--validation_file",
+        str(validation_file),
+        "--num_train_epochs",
+        str(EPOCHS),
+        "--per_device_train_batch_size",
+        str(BATCH_SIZE),
+        "--learning_rate",
+        str(LEARNING_RATE),
+        "--max_length",
+        str(MAX_LENGTH),
+        "--seed",
+        str(seed),
+        "--output_dir",
+        str(run_dir / "model"),
+    ]
+    if peer == "project":
+        # Everything else stays at train.py's defaults (warmup 0.1, weight decay 0.01, length-grouped batches).
+        return [sys.executable, "train.py", *common, "--report_to", "none", "--overwrite_output_dir"]
+    script = BENCHMARKS / f"peer_{peer}.py"
+    return [sys.executable, str(script), *common, "--results", str(run_dir / "results.json")]
+
+
+def project_training_seconds(run_dir: Path, results: dict) -> float | None:
+    """train.py's time in the training steps alone, from the throughput windows in its metrics.jsonl.
+
+    train.py's train_runtime also covers the evaluation it runs at the end of the epoch, while the peers time
+    training and evaluation separately. Each logged window reports samples_per_second with samples counted
+    as batches x per-device batch size, so its seconds are (steps in the window) x batch / samples_per_second
+    (one process, no gradient accumulation, as here). None if the file does not allow that.
+    """
+    try:
+        records = [json.loads(line) for line in (run_dir / "model" / "metrics.jsonl").read_text().splitlines() if line]
+    except (OSError, json.JSONDecodeError):
+        return None
+    if results.get("num_processes") != 1 or results.get("total_train_batch_size") != BATCH_SIZE:
+        return None
+    seconds, previous_step = 0.0, 0
+    for record in records:
+        if "samples_per_second" in record:
+            seconds += (record["step"] - previous_step) * BATCH_SIZE / record["samples_per_second"]
+            previous_step = record["step"]
+    return seconds if 0 < seconds <= results["train_runtime"] else None
+
+
+def read_run(peer: str, run_dir: Path, train_rows: int) -> dict:
+    """The measurements of one run in a common form: accuracy, seconds, samples and token counts."""
+    if peer != "project":
+        results = json.loads((run_dir / "results.json").read_text())
+        return {
+            "accuracy": results["eval_accuracy"],
+            "train_seconds": results["train_runtime"],
+            "eval_seconds": results["eval_runtime"],
+            "samples": results["train_samples"],
+            "tokens": results["train_tokens"],
+            "padded_tokens": results["train_padded_tokens"],
+        }
+    results = json.loads((run_dir / "model" / "all_results.json").read_text())
+    runtime = results["train_runtime"]
+    tokens = results["train_tokens_per_second"] * runtime
+    train_seconds = project_training_seconds(run_dir, results)
+    return {
+        "accuracy": results["eval_accuracy"],
+        "train_seconds": train_seconds if train_seconds is not None else runtime,
+        "eval_seconds": runtime - train_seconds if train_seconds is not None else None,
+        # train.py counts every batch as full (its last one holds fewer rows); the rows trained on are known.
+        "samples": EPOCHS * train_rows,
+        "reported_samples": round(results["train_samples_per_second"] * runtime),
+        "tokens": tokens,
+        "padded_tokens": tokens / (1 - results["train_padding_fraction"]),
+    }
+
+
+def run_one(peer: str, seed: int, train_file: Path, validation_file: Path, results_dir: Path) -> dict | None:
+    run_dir = results_dir / "runs" / f"{peer}-seed{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # An empty datasets cache per run: the runs read the same TSV, and a warm cache would favour the later ones.
+    env["HF_DATASETS_CACHE"] = str(run_dir / "datasets_cache")
+    command = peer_command(peer, train_file, validation_file, run_dir, seed)
+    log_path = run_dir / "log.txt"
+    print(f"[{time.strftime('%H:%M:%S')}] {PEERS[peer]}, seed {seed} ...", file=sys.stderr, flush=True)
+    with open(log_path, "w") as log:
+        start = time.perf_counter()
+        completed = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        wall = time.perf_counter() - start
+    if completed.returncode != 0:
+        tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-30:])
+        print(f"  FAILED (exit {completed.returncode}); end of {log_path}:\n{tail}", file=sys.stderr)
+        return None
+    measured = read_run(peer, run_dir, count_rows(train_file))
+    shutil.rmtree(run_dir / "datasets_cache", ignore_errors=True)
+    print(f"  wall {wall:.1f}s, accuracy {measured['accuracy']:.4f}", file=sys.stderr, flush=True)
+    return {"wall_seconds": wall, **measured}
+
+
+def summarize(runs: list[dict], non_embedding_params: int, peak: float) -> dict:
+    """Means over seeds, and the throughput figures derived from them."""
+    mean = {key: statistics.fmean(run[key] for run in runs) for key in ("wall_seconds", "train_seconds", "samples")}
+    mean["tokens"] = statistics.fmean(run["tokens"] for run in runs)
+    mean["padded_tokens"] = statistics.fmean(run["padded_tokens"] for run in runs)
+    evals = [run["eval_seconds"] for run in runs if run["eval_seconds"] is not None]
+    accuracies = [run["accuracy"] for run in runs]
+    train = mean["train_seconds"]
+    flops_per_second = 6 * non_embedding_params * mean["tokens"] / train
+    return {
+        **mean,
+        "eval_seconds": statistics.fmean(evals) if evals else None,
+        "accuracy": statistics.fmean(accuracies),
+        "accuracy_std": statistics.stdev(accuracies) if len(accuracies) > 1 else None,
+        "samples_per_second": mean["samples"] / train,
+        "tokens_per_second": mean["tokens"] / train,
+        "padded_tokens_per_second": mean["padded_tokens"] / train,
+        "padding_fraction": 1 - mean["tokens"] / mean["padded_tokens"],
+        "flops_per_second": flops_per_second,
+        "mfu": flops_per_second / peak,
+        "reported_samples": runs[0].get("reported_samples"),
+    }
+
+
+def format_table(summaries: dict, header: list[str], footnotes: list[str]) -> str:
+    project_wall = summaries["project"]["wall_seconds"] if "project" in summaries else None
+    columns = [
+        "peer",
+        "wall s",
+        "project wall / this",
+        "train loop s",
+        "eval s",
+        "samples/s",
+        "real tok/s",
+        "padded tok/s",
+        "padding",
+        "model GFLOP/s ¹",
+        "MFU ²",
+        "accuracy",
+    ]
+    lines = [*header, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for peer, s in summaries.items():
+        accuracy = f"{s['accuracy']:.4f}" + (f" ± {s['accuracy_std']:.4f}" if s["accuracy_std"] is not None else "")
+        cells = [
+            PEERS[peer],
+            f"{s['wall_seconds']:.1f}",
+            f"{project_wall / s['wall_seconds']:.2f}" if project_wall else "n/a",
+            f"{s['train_seconds']:.1f}",
+            f"{s['eval_seconds']:.1f}" if s["eval_seconds"] is not None else "n/a",
+            f"{s['samples_per_second']:.1f}",
+            f"{s['tokens_per_second']:,.0f}",
+            f"{s['padded_tokens_per_second']:,.0f}",
+            f"{s['padding_fraction']:.1%}",
+            f"{s['flops_per_second'] / 1e9:,.1f}",
+            f"{s['mfu']:.1%}",
+            accuracy,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join([*lines, "", *footnotes]) + "\n"
+
+
+def main():
+    args = parse_args()
+    for name in ("train.tsv", "validation.tsv"):
+        if not (args.data_dir / name).is_file():
+            raise SystemExit(f"{args.data_dir / name} not found; point --data_dir at a folder with SST-2 TSVs")
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    train_file = write_sample(
+        args.data_dir / "train.tsv", args.rows, args.results_dir / "data" / f"sst2_train_{args.rows}.tsv"
+    )
+    validation_file = args.data_dir / "validation.tsv"
+
+    # Done before the runs, this also brings torch, transformers and the weights into the page cache, so the
+    # first run does not pay for cold disk reads that the later ones would be spared.
+    model_path = default_model_path()
+    non_embedding, total = count_parameters(model_path)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    matmul_size = 8192 if device.type == "cuda" else 2048
+    peak = measure_matmul_peak(device, matmul_size)
+
+    runs = {peer: [] for peer in args.only}
+    for index, seed in enumerate(args.seeds):
+        # Rotate the order from seed to seed so that no peer always runs first on a freshly idle machine.
+        order = args.only[index % len(args.only) :] + args.only[: index % len(args.only)]
+        for peer in order:
+            result = run_one(peer, seed, train_file, validation_file, args.results_dir)
+            if result is not None:
+                runs[peer].append(result)
+    summaries = {peer: summarize(r, non_embedding, peak) for peer, r in runs.items() if r}
+    if not summaries:
+        raise SystemExit("every run failed; see the logs under " + str(args.results_dir / "runs"))
+
+    validation_rows = count_rows(validation_file)
+    peak_text = f"measured float32 {matmul_size}x{matmul_size} matmul, best of 5: {peak / 1e9:,.1f} GFLOP/s"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(0)
+        sheet = next((value for key, value in KNOWN_BF16_PEAKS.items() if key in name), None)
+        properties = torch.cuda.get_device_properties(0)
+        peak_text += f" ({properties.multi_processor_count} SMs"
+        peak_text += f"; data-sheet dense bf16 peak {sheet / 1e12:,.0f} TFLOP/s)" if sheet else ")"
+    header = [
+        f"### Fine-tuning benchmark, {datetime.date.today().isoformat()}",
+        "",
+        f"- Machine: {machine_description()}",
+        f"- Workload: all-MiniLM-L6-v2 ({non_embedding / 1e6:.1f}M non-embedding of {total / 1e6:.1f}M parameters), "
+        f"{args.rows:,} shuffled SST-2 training rows (sample seed {SAMPLE_SEED}), {EPOCHS} epoch, batch {BATCH_SIZE}, "
+        f"lr {LEARNING_RATE:g}, 10% warmup, weight decay 0.01, max length {MAX_LENGTH}, float32; "
+        f"accuracy on all {validation_rows} validation rows",
+        f"- Seeds: {', '.join(map(str, args.seeds))} (figures are means over seeds; accuracy ± standard deviation)",
+        f"- Peak for MFU: {peak_text}",
+    ]
+    footnotes = [
+        "Wall s: the whole process timed from outside (imports, model load, tokenisation, training, evaluation, "
+        "saving the model). Train loop s: the training steps only; eval s: the final evaluation. "
+        "Throughputs are per train-loop second.",
+        "¹ 6 x N x real tokens per train-loop second, N = non-embedding parameters. With padding the hardware "
+        "does more work than this count (the padded tokens are computed too), and attention's own FLOPs are left "
+        "out, so this understates the arithmetic done.",
+        "² Model FLOP/s divided by the measured matmul rate above.",
+    ]
+    project = summaries.get("project")
+    if project and project["reported_samples"] not in (None, round(project["samples"])):
+        footnotes.append(
+            f"train.py's own samples/s counts every batch as full ({project['reported_samples']:,} samples for "
+            f"{project['samples']:,.0f} rows); the table uses the rows actually trained on."
+        )
+    if project and project["eval_seconds"] is None:
+        footnotes.append("train.py's train loop s includes its end-of-epoch evaluation (metrics.jsonl unreadable).")
+    table = format_table(summaries, header, footnotes)
+    print(table)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(table)
+    if any(len(r) < len(args.seeds) for r in runs.values()):
+        raise SystemExit("some runs failed; see the logs above")
+
+
+if __name__ == "__main__":
+    main()

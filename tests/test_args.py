@@ -1,0 +1,97 @@
+"""Flags, YAML config files and their validation."""
+
+import pytest
+
+from src.args import build_eval_parser, build_train_parser, parse_args, validate_train_args
+
+
+def parse(*argv):
+    parser = build_train_parser()
+    return validate_train_args(parser, parse_args(parser, list(argv)))
+
+
+def error_of(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse(*argv)
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert message.count("\n") == 1 and "usage:" not in message, "one line, no usage block"
+    return message
+
+
+def test_defaults_are_sensible():
+    args = parse()
+    assert (args.num_train_epochs, args.per_device_train_batch_size, args.learning_rate) == (3, 32, 5e-5)
+    assert args.report_to == "tensorboard" and args.group_by_length and args.max_length == 128
+
+
+@pytest.mark.parametrize(
+    "argv,culprit",
+    [
+        (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size: must be a positive integer"),
+        (["--per_device_eval_batch_size", "-4"], "--per_device_eval_batch_size"),
+        (["--learning_rate", "0"], "--learning_rate: must be a positive number"),
+        (["--learning_rate", "nan"], "--learning_rate"),
+        (["--max_train_steps", "0"], "--max_train_steps"),
+        (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps"),
+        (["--warmup_ratio", "1.5"], "--warmup_ratio: must be in [0, 1)"),
+        (["--weight_decay", "-1"], "--weight_decay"),
+        (["--num_train_epochs", "two"], "--num_train_epochs"),
+        (["--checkpointing_steps", "often"], "--checkpointing_steps: must be a positive number of steps or 'epoch'"),
+        (["--lr_scheduler_type", "exotic"], "--lr_scheduler_type: invalid choice"),
+        (["--mixed_precision", "fp8x"], "--mixed_precision"),
+        (["--validation_split_percentage", "100"], "--validation_split_percentage must be between 1 and 99"),
+        (["--dataset_name", "glue", "--train_file", "a.csv"], "either --dataset_name or --train_file"),
+        (["--validation_file", "dev.csv"], "--validation_file needs --train_file"),
+        (["--dataset_config_name", "mrpc"], "--dataset_config_name needs --dataset_name"),
+        (["--resume_from_checkpoint", "latest", "--overwrite_output_dir"], "choose one"),
+        (["--text_column", "a", "--text_pair_column", "a"], "--text_pair_column must differ"),
+        (["--load_best_model_at_end", "--save_total_limit", "1"], "--save_total_limit of 2 or more"),
+        (["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
+    ],
+)
+def test_bad_values_get_one_line_naming_the_flag(capsys, argv, culprit):
+    assert culprit in error_of(capsys, *argv)
+
+
+def test_yaml_config_is_read_and_the_command_line_wins(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("learning_rate: 1.0e-4\nnum_train_epochs: 5\ngroup_by_length: false\nreport_to: none\n")
+    args = parse("--config", str(config), "--num_train_epochs", "2")
+    assert (args.learning_rate, args.num_train_epochs, args.group_by_length, args.report_to) == (1e-4, 2, False, "none")
+
+
+@pytest.mark.parametrize(
+    "text,culprit",
+    [
+        ("learning_rat: 0.1\n", "unknown key 'learning_rat'; did you mean 'learning_rate'?"),
+        ("learning_rate: [1, 2]\n", "learning_rate must be a single value"),
+        ("per_device_train_batch_size: 0\n", "--per_device_train_batch_size: must be a positive integer"),
+        ("group_by_length: maybe\n", "group_by_length must be true or false"),
+        ("- a\n- b\n", "must hold 'flag: value' pairs"),
+        ("learning_rate: [\n", "is not valid YAML"),
+    ],
+)
+def test_bad_config_files_are_named(tmp_path, capsys, text, culprit):
+    config = tmp_path / "run.yaml"
+    config.write_text(text)
+    message = error_of(capsys, "--config", str(config))
+    assert culprit in message
+
+
+def test_missing_config_file(tmp_path, capsys):
+    assert "cannot read --config" in error_of(capsys, "--config", str(tmp_path / "nope.yaml"))
+
+
+def test_help_groups_flags_and_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        build_train_parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    for group in ("model:", "data (", "training:", "evaluation:", "checkpoints:", "logging:"):
+        assert group in text
+    assert "(default: 5e-05)" in text
+
+
+def test_evaluate_needs_a_model():
+    with pytest.raises(SystemExit):
+        parse_args(build_eval_parser(), [])

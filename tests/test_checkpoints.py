@@ -1,0 +1,162 @@
+"""Checkpoints: exact resume after kill -9 and SIGTERM, rotation, best model, early stopping, refusals."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, launch_command, load_script, sentiment_rows, train_args, write_rows
+from safetensors.torch import load_file
+
+train = load_script("train")
+
+# 3 epochs of 16 updates (8 on 2 ranks); a checkpoint every 5 updates never falls on an epoch boundary.
+RUN = ("--num_train_epochs", "3", "--per_device_train_batch_size", "4", "--checkpointing_steps", "5")
+
+
+@pytest.fixture
+def data(tmp_path):
+    return write_rows(tmp_path / "train.csv", sentiment_rows(64, seed=1)), write_rows(
+        tmp_path / "dev.csv", sentiment_rows(20, seed=2)
+    )
+
+
+def command(num_processes: int, args: list[str]) -> list[str]:
+    if num_processes == 1:
+        return [sys.executable, str(REPO / "train.py"), *args]
+    return launch_command("train.py", args, num_processes)
+
+
+def start(num_processes, args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(command(num_processes, args), cwd=REPO, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def wait_for(path, process, timeout=240):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, f"the run ended before {path.name} appeared:\n{process.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.005)
+
+
+def run(num_processes, args):
+    result = subprocess.run(command(num_processes, args), cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def max_weight_difference(a, b):
+    first, second = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    return max((first[k] - second[k]).abs().max().item() for k in first)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_processes", [1, 2])
+@pytest.mark.parametrize("how", ["kill -9", "SIGTERM"])
+def test_interrupted_run_resumes_to_the_same_weights(tiny_model, data, tmp_path, num_processes, how):
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    run(num_processes, train_args(tiny_model, *data, reference, *RUN))
+
+    args = train_args(tiny_model, *data, interrupted, *RUN)
+    process = start(num_processes, args)
+    wait_for(interrupted / "checkpoint-5", process)
+    if how == "kill -9":
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+    else:
+        asked = time.monotonic()
+        os.killpg(process.pid, signal.SIGTERM)
+        output, _ = process.communicate(timeout=120)
+        print(f"SIGTERM to exit: {time.monotonic() - asked:.2f}s")
+        assert process.returncode in (143, 1), output[-3000:]  # 1: the launcher's own status for a stopped rank
+        assert "--resume_from_checkpoint latest" in output
+    latest = max((p for p in interrupted.glob("checkpoint-*") if p.name[11:].isdigit()), key=lambda p: int(p.name[11:]))
+    position = json.loads((latest / "training_state.json").read_text())
+    assert 0 < position["batches_in_epoch"] < 16 // num_processes, "resume from the middle of an epoch"
+    assert not (interrupted / "all_results.json").exists()
+
+    run(num_processes, [*args, "--resume_from_checkpoint", "latest"])
+    difference = max_weight_difference(reference, interrupted)
+    print(f"{how}, {num_processes} process(es), resumed from {latest.name}: max weight difference {difference}")
+    assert difference == 0.0
+    resumed = json.loads((interrupted / "all_results.json").read_text())
+    assert resumed["global_step"] == 48 // num_processes
+    assert resumed["eval_accuracy"] == json.loads((reference / "all_results.json").read_text())["eval_accuracy"]
+
+
+def run_main(*argv):
+    return train.main(train.parse_train_args(list(argv)))
+
+
+def test_rotation_keeps_the_newest_and_the_best(tiny_model, data, tmp_path):
+    out = tmp_path / "out"
+    run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "1",
+                         "--eval_steps", "2", "--save_total_limit", "2", "--metric_for_best_model", "loss",
+                         "--load_best_model_at_end"))  # fmt: skip
+    evaluations = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+    best = min(evaluations, key=lambda r: r["eval_loss"])
+    assert best["step"] < 7, "this data makes an early evaluation the best"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == sorted({f"checkpoint-{best['step']}", "checkpoint-7",
+                                                                       "checkpoint-8"})  # fmt: skip
+    kept = load_file(out / f"checkpoint-{best['step']}" / "model.safetensors")
+    final = load_file(out / "model.safetensors")
+    assert all((kept[k] == final[k]).all() for k in final), "the final model is the best one"
+    assert json.loads((out / "all_results.json").read_text())["eval_loss"] == best["eval_loss"]
+
+
+def test_early_stopping_stops_every_rank_at_the_same_step(tiny_model, data, tmp_path):
+    out = tmp_path / "out"
+    # A learning rate this small changes no prediction: the second evaluation is no better than the first.
+    result = run(2, train_args(tiny_model, *data, out, "--learning_rate", "1e-12", "--eval_steps", "2",
+                               "--early_stopping_patience", "1", "--metric_for_best_model", "accuracy"))  # fmt: skip
+    assert json.loads((out / "all_results.json").read_text())["global_step"] == 4
+    assert "Early stopping at step 4" in result.stdout + result.stderr
+
+
+def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path):
+    out = tmp_path / "out"
+    run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "epoch"))
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(train.UserError, match="--overwrite_output_dir.*|--resume_from_checkpoint latest"):
+        run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1"))
+    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}, "nothing touched"
+    run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--overwrite_output_dir"))
+    assert not list(out.glob("checkpoint-*")), "the old run's checkpoints went with it"
+
+
+def test_broken_checkpoints_get_a_clear_error(tiny_model, data, tmp_path):
+    out = tmp_path / "out"
+    run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "4"))
+    args = train_args(tiny_model, *data, out, "--num_train_epochs", "1")
+    with pytest.raises(train.UserError, match="no such folder"):
+        run_main(*args, "--resume_from_checkpoint", str(tmp_path / "missing"))
+    incomplete = out / "checkpoint-4"
+    (incomplete / "training_state.json").rename(tmp_path / "state.json")
+    with pytest.raises(train.UserError, match="not a complete checkpoint"):
+        run_main(*args, "--resume_from_checkpoint", str(incomplete))
+    (tmp_path / "state.json").rename(incomplete / "training_state.json")
+    (incomplete / "model.safetensors").write_bytes(b"\0" * 100)
+    with pytest.raises(train.UserError, match="checkpoint-4 cannot be loaded.*damaged"):
+        run_main(*args, "--resume_from_checkpoint", str(incomplete))
+
+
+def test_partial_save_is_not_a_checkpoint(tiny_model, data, tmp_path):
+    """A folder left by a kill during saving is ignored by 'latest' and replaced by the next save."""
+    out = tmp_path / "out"
+    run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "4"))
+    (out / "checkpoint-6.incomplete").mkdir()
+    from src.checkpoint import resolve_checkpoint
+
+    assert resolve_checkpoint("latest", out).name == "checkpoint-8"
+
+
+def test_diverging_loss_stops_with_the_step(tiny_model, data, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(train.UserError, match=r"NaN or infinite at step \d+"):
+        run_main(*train_args(tiny_model, *data, out, "--learning_rate", "1e30", "--max_grad_norm", "0"))
