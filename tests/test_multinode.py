@@ -1,0 +1,78 @@
+"""Beyond one machine: two launchers on loopback form one group; every config loads in accelerate."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CPU_CONFIG, REPO, launch, sentiment_rows, train_args, write_rows
+from safetensors.torch import load_file
+
+CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+
+
+def launch_two_nodes(args_for_rank) -> list[subprocess.CompletedProcess]:
+    """`accelerate launch` once per 'machine' (machine_rank 0 and 1, one CPU process each) on 127.0.0.1."""
+    port = str(random.randint(20000, 40000))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launchers = []
+    for machine_rank in (0, 1):
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
+                   "--num_machines", "2", "--machine_rank", str(machine_rank), "--num_processes", "2",
+                   "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+                   str(REPO / "train.py"), *args_for_rank(machine_rank)]  # fmt: skip
+        launchers.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    results = []
+    for launcher in launchers:
+        output, _ = launcher.communicate(timeout=300)
+        results.append(subprocess.CompletedProcess(launcher.args, launcher.returncode, output))
+    return results
+
+
+@pytest.fixture
+def data(tmp_path):
+    return write_rows(tmp_path / "train.csv", sentiment_rows(64, seed=1)), write_rows(
+        tmp_path / "dev.csv", sentiment_rows(21, seed=2)
+    )
+
+
+@pytest.mark.slow
+def test_two_machines_on_loopback_train_as_one_group(tiny_model_no_dropout, data, tmp_path):
+    """Shared output folder: one group of 2 that matches a 2-process single-machine run."""
+    single = launch("train.py", train_args(tiny_model_no_dropout, *data, tmp_path / "single"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    nodes = launch_two_nodes(lambda rank: train_args(tiny_model_no_dropout, *data, tmp_path / "nodes"))
+    assert all(node.returncode == 0 for node in nodes), nodes[0].stdout[-3000:] + nodes[1].stdout[-3000:]
+
+    results = json.loads((tmp_path / "nodes" / "all_results.json").read_text())
+    assert results["num_processes"] == 2 and results["eval_samples"] == 21
+    a, b = load_file(tmp_path / "single" / "model.safetensors"), load_file(tmp_path / "nodes" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+
+
+@pytest.mark.slow
+def test_without_a_shared_folder_each_node_keeps_what_it_needs_to_resume(tiny_model, data, tmp_path):
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    nodes = launch_two_nodes(
+        lambda rank: train_args(tiny_model, *data, folders[rank], "--checkpointing_steps", "4", "--save_on_each_node")
+    )
+    assert all(node.returncode == 0 for node in nodes), nodes[0].stdout[-3000:] + nodes[1].stdout[-3000:]
+    for rank, folder in enumerate(folders):
+        checkpoint = folder / "checkpoint-4"
+        assert (checkpoint / "training_state.json").is_file() and (checkpoint / "model.safetensors").is_file()
+        assert (checkpoint / f"random_states_{rank}.pkl").is_file()
+    # The final model and results are the global main process's alone.
+    assert (folders[0] / "all_results.json").is_file() and not (folders[1] / "all_results.json").exists()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_launch_config_loads_in_accelerate(config):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    loaded = load_config_from_file(str(config))
+    assert loaded.num_processes >= 1 and loaded.compute_environment.value == "LOCAL_MACHINE"
+    assert Path(config).read_text().startswith("#"), "every config explains itself"
