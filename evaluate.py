@@ -8,21 +8,19 @@ runs on 1 or many processes.
 """
 
 import csv
-import logging
 from pathlib import Path
 
-import datasets
 import torch
-import transformers
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from datasets import Dataset
 
 from src.args import build_eval_parser, parse_args
 from src.data import build_eval_dataloader, detect_columns, load_file, load_hub_dataset, pick_split, tokenize
-from src.errors import UserError, run_cli
+from src.errors import UserError, main_process_first, run_cli
 from src.evaluation import evaluate
 from src.model import load_model, load_tokenizer
-from src.reporting import plot_confusion_matrix, plot_regression, write_json
+from src.reporting import plot_confusion_matrix, plot_regression, setup_logging, write_json
 
 logger = get_logger(__name__)
 
@@ -39,7 +37,7 @@ def parse_eval_args(argv=None):
     return args
 
 
-def load_split(args) -> datasets.Dataset:
+def load_split(args) -> Dataset:
     if args.validation_file:
         return load_file(args.validation_file)
     splits = load_hub_dataset(args.dataset_name, args.dataset_config_name)
@@ -51,13 +49,9 @@ def load_split(args) -> datasets.Dataset:
 
 def main(args):
     accelerator = Accelerator(cpu=not torch.accelerator.is_available(), mixed_precision=args.mixed_precision)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
-    transformers.utils.logging.set_verbosity_error()
-    datasets.utils.logging.set_verbosity_error()
-    if not accelerator.is_local_main_process:
-        datasets.disable_progress_bars()
+    setup_logging()
 
-    with accelerator.main_process_first():
+    with main_process_first(accelerator):
         data = load_split(args)
         if args.max_eval_samples:
             data = data.select(range(min(args.max_eval_samples, len(data))))

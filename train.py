@@ -7,14 +7,11 @@ One script from a laptop CPU to many GPUs on many machines:
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train.py --config my_run.yaml
 """
 
-import logging
 import math
 import signal
 import time
 
-import datasets
 import torch
-import transformers
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.data_loader import skip_first_batches
 from accelerate.logging import get_logger
@@ -39,11 +36,11 @@ from src.data import (
     load_raw_splits,
     tokenize,
 )
-from src.errors import UserError, run_cli
+from src.errors import UserError, main_process_first, run_cli
 from src.evaluation import evaluate
 from src.metrics import greater_is_better, main_metric
 from src.model import default_model_path, load_model, load_tokenizer
-from src.reporting import ThroughputWindow, append_jsonl, plot_training_curves, read_jsonl, write_json
+from src.reporting import ThroughputWindow, append_jsonl, plot_training_curves, read_jsonl, setup_logging, write_json
 
 logger = get_logger(__name__)
 
@@ -77,11 +74,7 @@ def main(args):
         project_config=ProjectConfiguration(project_dir=str(args.output_dir), save_on_each_node=args.save_on_each_node),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
-    transformers.utils.logging.set_verbosity_error()
-    datasets.utils.logging.set_verbosity_error()
-    if not accelerator.is_local_main_process:
-        datasets.disable_progress_bars()
+    setup_logging()
     is_writer = accelerator.is_local_main_process if args.save_on_each_node else accelerator.is_main_process
 
     check_output_dir(args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
@@ -92,7 +85,7 @@ def main(args):
 
     # Data: rank 0 loads and tokenises first and fills the cache; the other ranks then read it.
     args.model_name_or_path = args.model_name_or_path or default_model_path()
-    with accelerator.main_process_first():
+    with main_process_first(accelerator):
         raw = load_raw_splits(args)
         args.text_column, args.text_pair_column, args.label_column = detect_columns(
             raw["train"].column_names, args.text_column, args.text_pair_column, args.label_column

@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -38,6 +39,7 @@ PEERS = {
 SAMPLE_SEED = 1234  # fixed: every session and every peer trains on the same 2,000 rows
 # The workload, passed identically to all three (train.py's defaults give warmup 0.1 and weight decay 0.01).
 EPOCHS, BATCH_SIZE, LEARNING_RATE, MAX_LENGTH = 1, 32, 5e-5, 128
+CONTENTION_LIMIT = 0.1  # cores kept busy by other processes during a run before the table warns
 # Dense bf16 tensor-core peaks from the vendors' data sheets, shown for context on CUDA machines only.
 KNOWN_BF16_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
 
@@ -112,6 +114,21 @@ def measure_matmul_peak(device: torch.device, size: int, repeats: int = 5, per_r
         sync()
         best = min(best, (time.perf_counter() - start) / per_repeat)
     return 2 * size**3 / best
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds spent so far by everything on the machine (all cores), from /proc/stat; None elsewhere."""
+    try:
+        fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def peer_command(peer: str, train_file: Path, validation_file: Path, run_dir: Path, seed: int) -> list[str]:
@@ -200,18 +217,26 @@ def run_one(peer: str, seed: int, train_file: Path, validation_file: Path, resul
     command = peer_command(peer, train_file, validation_file, run_dir, seed)
     log_path = run_dir / "log.txt"
     print(f"[{time.strftime('%H:%M:%S')}] {PEERS[peer]}, seed {seed} ...", file=sys.stderr, flush=True)
+    # CPU used on the machine minus CPU used by the run: other work that slowed the run down.
+    busy_before, children_before = busy_cpu_seconds(), children_cpu_seconds()
     with open(log_path, "w") as log:
         start = time.perf_counter()
         completed = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         wall = time.perf_counter() - start
+    busy_after, children_after = busy_cpu_seconds(), children_cpu_seconds()
+    other_cores = None
+    if busy_before is not None and busy_after is not None:
+        other = (busy_after - busy_before) - (children_after - children_before)
+        other_cores = max(0.0, other) / wall
     if completed.returncode != 0:
         tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-30:])
         print(f"  FAILED (exit {completed.returncode}); end of {log_path}:\n{tail}", file=sys.stderr)
         return None
     measured = read_run(peer, run_dir, count_rows(train_file))
     shutil.rmtree(run_dir / "datasets_cache", ignore_errors=True)
-    print(f"  wall {wall:.1f}s, accuracy {measured['accuracy']:.4f}", file=sys.stderr, flush=True)
-    return {"wall_seconds": wall, **measured}
+    busy = f", other processes busy on {other_cores:.2f} cores" if other_cores is not None else ""
+    print(f"  wall {wall:.1f}s, accuracy {measured['accuracy']:.4f}{busy}", file=sys.stderr, flush=True)
+    return {"wall_seconds": wall, "other_cores": other_cores, **measured}
 
 
 def summarize(runs: list[dict], non_embedding_params: int, peak: float) -> dict:
@@ -334,6 +359,13 @@ def main():
         "out, so this understates the arithmetic done.",
         "² Model FLOP/s divided by the measured matmul rate above.",
     ]
+    others = [run["other_cores"] for peer_runs in runs.values() for run in peer_runs if run["other_cores"] is not None]
+    if others:
+        warning = " TIMINGS DISTURBED: rerun on an idle machine." if max(others) > CONTENTION_LIMIT else ""
+        footnotes.append(
+            f"Other processes kept on average {statistics.fmean(others):.2f} cores busy during the runs "
+            f"(at most {max(others):.2f} in one run).{warning}"
+        )
     project = summaries.get("project")
     if project and project["reported_samples"] not in (None, round(project["samples"])):
         footnotes.append(

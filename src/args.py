@@ -7,6 +7,7 @@ validation and the command line wins.
 
 import argparse
 import difflib
+import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -265,4 +266,6 @@ def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> arg
     if args.load_best_model_at_end and args.save_total_limit == 1:
         # The best checkpoint and the newest one are often different folders.
         parser.error("--load_best_model_at_end needs --save_total_limit of 2 or more")
+    if args.report_to in ("wandb", "mlflow") and importlib.util.find_spec(args.report_to) is None:
+        parser.error(f"--report_to {args.report_to}: the package is not installed; `pip install {args.report_to}`")
     return args

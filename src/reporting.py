@@ -1,17 +1,29 @@
-"""What people look at: metrics.jsonl, training curves, confusion matrix, predicted-vs-true scatter.
+"""What people look at: the console, metrics.jsonl, throughput, training curves and evaluation pictures.
 
-Called on the main process only.
+The writing and plotting functions are called on the main process only.
 """
 
 import json
+import logging
 import time
 from pathlib import Path
 
+import datasets
 import matplotlib
 import torch
+import transformers
 
 matplotlib.use("Agg")  # files only: no display on clusters and CI
 import matplotlib.pyplot as plt  # noqa: E402
+
+
+def setup_logging():
+    """Our INFO lines on the main process; the libraries' warnings, load reports and progress bars kept out."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.utils.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
 
 
 def write_json(path: Path, values: dict):

@@ -1,0 +1,83 @@
+"""User mistakes end in one line that names the culprit, exit status 2, no traceback, and no lost files."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, launch, load_script, sentiment_rows, train_args, write_rows
+
+train = load_script("train")
+evaluate_script = load_script("evaluate")
+
+
+def run_script(*argv):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+
+
+def assert_one_line_error(result, culprit):
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and culprit in lines[0], result.stderr[-2000:]
+
+
+def test_data_mistake_on_the_command_line_keeps_the_output_dir(tmp_path, tiny_model):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    result = run_script("train.py", "--model_name_or_path", str(tiny_model), "--train_file",
+                        str(tmp_path / "missing.csv"), "--output_dir", str(out))  # fmt: skip
+    assert_one_line_error(result, "missing.csv: no such file")
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+
+
+def test_flag_mistake_is_one_line(tmp_path):
+    result = run_script("evaluate.py", "--model_name_or_path", str(tmp_path), "--per_device_eval_batch_size", "0")
+    assert_one_line_error(result, "--per_device_eval_batch_size: must be a positive integer")
+
+
+def test_an_error_on_every_rank_stops_them_all_promptly(tmp_path, tiny_model):
+    train_file = write_rows(
+        tmp_path / "train.csv", [{"review": r["sentence"], "y": r["label"]} for r in sentiment_rows(16)]
+    )
+    started = time.monotonic()
+    result = launch("train.py", ["--model_name_or_path", str(tiny_model), "--train_file", str(train_file),
+                                 "--output_dir", str(tmp_path / "out")], timeout=120)  # fmt: skip
+    assert result.returncode != 0
+    assert time.monotonic() - started < 90, "no rank waits for a collective that never comes"
+    assert "no text column found among: review, y; name it with --text_column" in result.stderr
+    assert "[rank 0] error:" in result.stderr and "[rank 1] error:" in result.stderr
+
+
+def test_unreachable_model_is_named(tmp_path, tiny_data):
+    args = train_args("no-such-org/no-such-model", *tiny_data, tmp_path / "out")
+    with pytest.raises(train.UserError, match="--model_name_or_path no-such-org/no-such-model: cannot load"):
+        train.main(train.parse_train_args(args))
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreachable_hub_dataset_is_named(tmp_path, tiny_model):
+    args = ["--model_name_or_path", str(tiny_model), "--dataset_name", "no-such-org/no-such-data", "--output_dir",
+            str(tmp_path / "out")]  # fmt: skip
+    with pytest.raises(train.UserError, match="--dataset_name no-such-org/no-such-data: cannot be loaded"):
+        train.main(train.parse_train_args(args))
+
+
+def test_labels_the_model_does_not_know(tmp_path, tiny_model, tiny_data):
+    out = tmp_path / "out"
+    train.main(train.parse_train_args(train_args(tiny_model, *tiny_data, out, "--num_train_epochs", "1")))
+    data = write_rows(tmp_path / "other.csv", [{"sentence": "fine", "label": "neutral"}])
+    args = evaluate_script.parse_eval_args(["--model_name_or_path", str(out), "--validation_file", str(data)])
+    with pytest.raises(evaluate_script.UserError, match="neutral in column 'label' are not among the model's labels"):
+        evaluate_script.main(args)
+
+
+def test_missing_labels_in_training_data(tmp_path, tiny_model):
+    rows = [{"sentence": "good", "label": "positive"}, {"sentence": "bad", "label": None}] * 4
+    train_file = write_rows(tmp_path / "train.jsonl", rows)
+    args = train_args(tiny_model, train_file, train_file, tmp_path / "out")
+    with pytest.raises(train.UserError, match="label column 'label' has empty values"):
+        train.main(train.parse_train_args(args))
