@@ -6,6 +6,7 @@
 import importlib
 import math
 import sys
+import warnings
 from functools import cache
 from pathlib import Path
 
@@ -47,8 +48,10 @@ def compute_metrics(predictions: list, references: list, is_regression: bool, nu
     """Unprefixed metric values, e.g. {'accuracy': 0.9, 'f1': 0.88, 'matthews_correlation': 0.8}."""
     results = {}
     if is_regression:
-        for name in REGRESSION_METRICS:
-            results.update(load_metric(name).compute(predictions=predictions, references=references))
+        with warnings.catch_warnings():  # SciPy warns about constant input; the NaN is replaced below
+            warnings.simplefilter("ignore")
+            for name in REGRESSION_METRICS:
+                results.update(load_metric(name).compute(predictions=predictions, references=references))
         # A constant prediction has no correlation: report 0 rather than NaN so "best model" stays comparable.
         return {k: 0.0 if math.isnan(v) else v for k, v in results.items()}
     for name in CLASSIFICATION_METRICS:

@@ -17,11 +17,26 @@ train = load_script("train")
 RUN = ("--num_train_epochs", "3", "--per_device_train_batch_size", "4", "--checkpointing_steps", "5")
 
 
-@pytest.fixture
-def data(tmp_path):
-    return write_rows(tmp_path / "train.csv", sentiment_rows(64, seed=1)), write_rows(
-        tmp_path / "dev.csv", sentiment_rows(20, seed=2)
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    return write_rows(folder / "train.csv", sentiment_rows(64, seed=1)), write_rows(
+        folder / "dev.csv", sentiment_rows(20, seed=2)
     )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model, data, tmp_path_factory):
+    """The reference run for each number of processes, made once for the kill and the SIGTERM test."""
+    runs = {}
+
+    def reference(num_processes):
+        if num_processes not in runs:
+            runs[num_processes] = tmp_path_factory.mktemp(f"reference-{num_processes}")
+            run(num_processes, train_args(tiny_model, *data, runs[num_processes], *RUN))
+        return runs[num_processes]
+
+    return reference
 
 
 def command(num_processes: int, args: list[str]) -> list[str]:
@@ -59,9 +74,8 @@ def max_weight_difference(a, b):
 @pytest.mark.slow
 @pytest.mark.parametrize("num_processes", [1, 2])
 @pytest.mark.parametrize("how", ["kill -9", "SIGTERM"])
-def test_interrupted_run_resumes_to_the_same_weights(tiny_model, data, tmp_path, num_processes, how):
-    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
-    run(num_processes, train_args(tiny_model, *data, reference, *RUN))
+def test_interrupted_run_resumes_to_the_same_weights(tiny_model, data, uninterrupted, tmp_path, num_processes, how):
+    reference, interrupted = uninterrupted(num_processes), tmp_path / "interrupted"
 
     args = train_args(tiny_model, *data, interrupted, *RUN)
     process = start(num_processes, args)
