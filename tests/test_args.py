@@ -95,3 +95,8 @@ def test_help_groups_flags_and_shows_defaults(capsys):
 def test_evaluate_needs_a_model():
     with pytest.raises(SystemExit):
         parse_args(build_eval_parser(), [])
+
+
+def test_the_example_config_file_is_valid():
+    args = parse("--config", "examples/run.yaml")
+    assert args.dataset_name == "nyu-mll/glue" and args.load_best_model_at_end

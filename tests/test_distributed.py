@@ -1,10 +1,14 @@
 """Really 2 (and 3) CPU processes under `accelerate launch --config_file accelerate_configs/cpu.yaml`."""
 
 import json
+import os
+import random
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import launch, load_script, sentiment_rows, train_args, write_rows
+from conftest import REPO, launch, load_script, sentiment_rows, train_args, write_rows
 from safetensors.torch import load_file
 
 train = load_script("train")
@@ -66,3 +70,23 @@ def test_evaluation_counts_every_example_once(trained_model, tmp_path, num_proce
     rows = (tmp_path / "multi" / "predictions.csv").read_text().splitlines()[1:]
     assert [int(r.split(",")[0]) for r in rows] == list(range(37))
     assert torch.tensor(results["eval_accuracy"]).isfinite()
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate --multi_gpu"])
+def test_other_launchers_start_real_ranks_on_cpu(trained_model, tmp_path, launcher):
+    """On a machine without GPUs these would start 2 unrelated single-process runs without cpu=True."""
+    data = write_rows(tmp_path / "eval.csv", sentiment_rows(9, seed=6))
+    script_args = [str(REPO / "evaluate.py"), "--model_name_or_path", str(trained_model), "--validation_file",
+                   str(data), "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    port = str(random.randint(20000, 40000))
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                   "--main_process_port", port]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([*command, *script_args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("with 2 process(es)") == 1, "one group of 2 ranks, logging once"
+    assert json.loads((tmp_path / "out" / "eval_results.json").read_text())["eval_samples"] == 9

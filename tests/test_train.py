@@ -121,3 +121,23 @@ def test_trained_weights_match_the_saved_model(tiny_model, tiny_data, tmp_path):
     assert metrics["eval_accuracy"] == pytest.approx(results["eval_accuracy"])
     assert metrics["eval_loss"] == pytest.approx(results["eval_loss"], abs=1e-5)
     assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
+
+
+@pytest.mark.slow
+def test_demo_task_starts_at_chance_with_the_packaged_model(tmp_path):
+    """The default run's premise: MiniLM with a fresh head knows nothing of the demo task."""
+    from accelerate import Accelerator
+
+    from src.data import build_eval_dataloader, tokenize
+    from src.demo_data import make_demo_splits
+    from src.evaluation import evaluate
+    from src.model import default_model_path, load_model, load_tokenizer
+
+    accelerator = Accelerator(cpu=True)
+    tokenizer = load_tokenizer(default_model_path())
+    model = load_model(default_model_path(), ["negative", "positive"])
+    validation = make_demo_splits()["validation"]
+    dataset = tokenize(validation, tokenizer, "sentence", None, "label", 64, {"negative": 0, "positive": 1})
+    loader = accelerator.prepare(build_eval_dataloader(dataset, tokenizer, 64))
+    metrics, _ = evaluate(accelerator.prepare_model(model, evaluation_mode=True), loader, accelerator, False)
+    assert 0.4 < metrics["eval_accuracy"] < 0.6
