@@ -12,7 +12,7 @@ import signal
 import time
 
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate import Accelerator
 from accelerate.data_loader import skip_first_batches
 from accelerate.logging import get_logger
 from accelerate.utils import ProjectConfiguration, set_seed
@@ -40,7 +40,15 @@ from src.errors import UserError, main_process_first, run_cli
 from src.evaluation import evaluate
 from src.metrics import greater_is_better, main_metric
 from src.model import default_model_path, load_model, load_tokenizer
-from src.reporting import ThroughputWindow, append_jsonl, plot_training_curves, read_jsonl, setup_logging, write_json
+from src.reporting import (
+    ThroughputWindow,
+    append_jsonl,
+    keep_records_up_to,
+    plot_training_curves,
+    read_jsonl,
+    setup_logging,
+    write_json,
+)
 
 logger = get_logger(__name__)
 
@@ -72,7 +80,6 @@ def main(args):
         step_scheduler_with_optimizer=False,  # the scheduler counts optimizer updates; see the loop
         log_with=None if args.report_to == "none" else args.report_to,
         project_config=ProjectConfiguration(project_dir=str(args.output_dir), save_on_each_node=args.save_on_each_node),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     setup_logging()
     is_writer = accelerator.is_local_main_process if args.save_on_each_node else accelerator.is_main_process
@@ -159,8 +166,8 @@ def main(args):
             remove_checkpoints(args.output_dir)
         args.output_dir.mkdir(parents=True, exist_ok=True)
         write_json(args.output_dir / "args.json", vars(args))
-        if not resume_path:
-            (args.output_dir / "metrics.jsonl").unlink(missing_ok=True)
+        # A resumed run drops what the interrupted one logged after its checkpoint; a new run starts afresh.
+        keep_records_up_to(args.output_dir / "metrics.jsonl", state["global_step"])
     hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in vars(args).items()}
     accelerator.init_trackers("tensorboard", config=hparams)
 
@@ -294,6 +301,8 @@ def main(args):
             break
     progress.close()
     train_runtime = time.perf_counter() - start_time
+    if not eval_metrics:  # resumed from the last step: nothing left to train, but the results need metrics
+        eval_metrics, _ = evaluate(model, eval_dataloader, accelerator, is_regression)
     if stop_reason:
         logger.info(f"Early stopping at step {state['global_step']}: {stop_reason}")
 

@@ -35,6 +35,12 @@ def append_jsonl(path: Path, record: dict):
         file.write(json.dumps(record) + "\n")
 
 
+def keep_records_up_to(path: Path, step: int):
+    if Path(path).exists():
+        kept = [record for record in read_jsonl(path) if record["step"] <= step]
+        Path(path).write_text("".join(json.dumps(record) + "\n" for record in kept))
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

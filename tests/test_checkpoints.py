@@ -99,6 +99,11 @@ def test_interrupted_run_resumes_to_the_same_weights(tiny_model, data, uninterru
     difference = max_weight_difference(reference, interrupted)
     print(f"{how}, {num_processes} process(es), resumed from {latest.name}: max weight difference {difference}")
     assert difference == 0.0
+
+    def logged_steps(folder):
+        return [record["step"] for record in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())]
+
+    assert logged_steps(interrupted) == logged_steps(reference), "no records doubled by the resume"
     resumed = json.loads((interrupted / "all_results.json").read_text())
     assert resumed["global_step"] == 48 // num_processes
     assert resumed["eval_accuracy"] == json.loads((reference / "all_results.json").read_text())["eval_accuracy"]
@@ -174,3 +179,12 @@ def test_diverging_loss_stops_with_the_step(tiny_model, data, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(train.UserError, match=r"NaN or infinite at step \d+"):
         run_main(*train_args(tiny_model, *data, out, "--learning_rate", "1e30", "--max_grad_norm", "0"))
+
+
+def test_resuming_a_finished_run_only_evaluates(tiny_model, data, tmp_path):
+    out = tmp_path / "out"
+    first = run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "epoch"))
+    again = run_main(
+        *train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--resume_from_checkpoint", "latest")
+    )
+    assert again["global_step"] == first["global_step"] and again["eval_accuracy"] == first["eval_accuracy"]
