@@ -209,7 +209,7 @@ def main(args):
         desc="Training",
         disable=not accelerator.is_local_main_process,
     )
-    window = ThroughputWindow(accelerator.device, args.per_device_train_batch_size)
+    window = ThroughputWindow(accelerator.device)
     start_time = time.perf_counter()
     eval_metrics, stop_reason = {}, None
     for epoch in range(state["epoch"], num_epochs):

@@ -116,31 +116,31 @@ def plot_regression(labels: list[float], predictions: list[float], path: Path):
 class ThroughputWindow:
     """Loss and token counts since the last log, kept on the device so that logging is the only sync."""
 
-    def __init__(self, device, per_device_batch_size: int):
-        self.per_device_batch_size = per_device_batch_size
+    def __init__(self, device):
         self.sums = torch.zeros(2, device=device)  # loss, real (unpadded) tokens
-        self.batches = self.padded_tokens = 0
+        self.batches = self.samples = self.padded_tokens = 0
         self.start = time.perf_counter()
         self.totals = {"samples": 0, "tokens": 0.0, "padded_tokens": 0}
 
     def add(self, loss, batch):
         self.sums += torch.stack([loss.detach().float(), batch["attention_mask"].sum().float()])
         self.batches += 1
+        self.samples += batch["input_ids"].shape[0]
         self.padded_tokens += batch["input_ids"].numel()
 
     def flush(self, accelerator) -> dict:
         """Mean loss and throughput over all ranks since the last flush (a collective: call on every rank)."""
-        local = torch.cat([self.sums, self.sums.new_tensor([self.batches, self.padded_tokens])])
-        loss, tokens, batches, padded = accelerator.reduce(local, reduction="sum").tolist()
+        local = torch.cat([self.sums, self.sums.new_tensor([self.batches, self.samples, self.padded_tokens])])
+        loss, tokens, batches, samples, padded = accelerator.reduce(local, reduction="sum").tolist()
         seconds = time.perf_counter() - self.start
-        samples = int(batches) * self.per_device_batch_size
+        samples = int(samples)
         self.totals = {
             "samples": self.totals["samples"] + samples,
             "tokens": self.totals["tokens"] + tokens,
             "padded_tokens": self.totals["padded_tokens"] + int(padded),
         }
         self.sums.zero_()
-        self.batches = self.padded_tokens = 0
+        self.batches = self.samples = self.padded_tokens = 0
         self.start = time.perf_counter()
         return {
             "loss": loss / max(1, batches),
