@@ -19,7 +19,7 @@ from src.args import build_eval_parser, parse_args
 from src.data import build_eval_dataloader, detect_columns, load_file, load_hub_dataset, pick_split, tokenize
 from src.errors import UserError, main_process_first, run_cli
 from src.evaluation import evaluate
-from src.model import load_model, load_tokenizer
+from src.model import load_model, load_tokenizer, resolve_max_length
 from src.reporting import plot_confusion_matrix, plot_regression, setup_logging, write_json
 
 logger = get_logger(__name__)
@@ -28,6 +28,8 @@ logger = get_logger(__name__)
 def parse_eval_args(argv=None):
     parser = build_eval_parser()
     args = parse_args(parser, argv)
+    if not args.model_name_or_path:
+        parser.error("--model_name_or_path is required: a train.py output folder")
     if bool(args.validation_file) == bool(args.dataset_name):
         parser.error("give exactly one of --validation_file or --dataset_name")
     if args.output_dir is None:
@@ -59,7 +61,8 @@ def main(args):
             data.column_names, args.text_column, args.text_pair_column, args.label_column, need_label=False
         )
         tokenizer = load_tokenizer(args.model_name_or_path)
-        model = load_model(args.model_name_or_path)
+        model = load_model(args.model_name_or_path, trained_head=True)
+        args.max_length = resolve_max_length(args.max_length, tokenizer)
         is_regression = model.config.problem_type == "regression" or model.config.num_labels == 1
         label2id = None if is_regression else {name: int(i) for i, name in model.config.id2label.items()}
         if label2id and list(label2id) == [f"LABEL_{i}" for i in range(len(label2id))]:

@@ -38,8 +38,8 @@ from src.data import (
 )
 from src.errors import UserError, main_process_first, run_cli
 from src.evaluation import evaluate
-from src.metrics import greater_is_better, main_metric
-from src.model import default_model_path, load_model, load_tokenizer
+from src.metrics import check_best_metric, greater_is_better
+from src.model import default_model_path, load_model, load_tokenizer, resolve_max_length
 from src.reporting import (
     ThroughputWindow,
     append_jsonl,
@@ -68,6 +68,7 @@ class StopRequest:
 
     def handle(self, signum, frame):
         self.signal = signum
+        signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C stops at once
 
 
 def main(args):
@@ -90,7 +91,7 @@ def main(args):
     )
     set_seed(args.seed)
 
-    # Data: rank 0 loads and tokenises first and fills the cache; the other ranks then read it.
+    # Data and model: rank 0 goes first and fills the caches (and downloads); the other ranks then read them.
     args.model_name_or_path = args.model_name_or_path or default_model_path()
     with main_process_first(accelerator):
         raw = load_raw_splits(args)
@@ -99,16 +100,16 @@ def main(args):
         )
         label_names = label_names_of(raw["train"], args.label_column)
         tokenizer = load_tokenizer(args.model_name_or_path)
+        args.max_length = resolve_max_length(args.max_length, tokenizer)
         label2id = {name: i for i, name in enumerate(label_names)} if label_names is not None else None
         columns = (args.text_column, args.text_pair_column, args.label_column, args.max_length, label2id)
         train_dataset = tokenize(raw["train"], tokenizer, *columns)
         eval_dataset = tokenize(raw["validation"], tokenizer, *columns)
+        model = load_model(args.model_name_or_path, label_names, regression=label_names is None)
     is_regression = label_names is None
-    args.metric_for_best_model = args.metric_for_best_model or main_metric(is_regression)
+    args.metric_for_best_model = check_best_metric(args.metric_for_best_model, is_regression)
     if args.greater_is_better is None:
         args.greater_is_better = greater_is_better(args.metric_for_best_model)
-
-    model = load_model(args.model_name_or_path, label_names, regression=is_regression)
     num_parameters = model.num_parameters()  # before prepare() wraps (and perhaps shards) it
     # No weight decay on biases and LayerNorm weights (the 1-D parameters). fused: one kernel for all tensors
     # instead of a loop over ~100; on 2 CPU cores MiniLM's update drops from ~190 to ~40 ms per step.
@@ -136,17 +137,18 @@ def main(args):
     )
 
     # prepare() shards the training loader, so the step counts come from its new length.
-    steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+    # The engine's accumulation counts (DeepSpeed's config overrides the flag).
+    accumulation = accelerator.gradient_accumulation_steps
+    steps_per_epoch = math.ceil(len(train_dataloader) / accumulation)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     num_epochs = math.ceil(max_train_steps / steps_per_epoch)
-    lr_scheduler = accelerator.prepare(
-        get_scheduler(
-            args.lr_scheduler_type,
-            optimizer,
-            num_warmup_steps=math.ceil(args.warmup_ratio * max_train_steps),
-            num_training_steps=max_train_steps,
-        )
+    lr_scheduler = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=math.ceil(args.warmup_ratio * max_train_steps),
+        num_training_steps=max_train_steps,
     )
+    accelerator.register_for_checkpointing(lr_scheduler)  # stepped once per update by the loop, saved with the state
 
     state = {
         "global_step": 0,
@@ -158,20 +160,23 @@ def main(args):
         "num_processes": accelerator.num_processes,
     }
     if resume_path:
-        state = load_checkpoint(accelerator, resume_path)
+        state = load_checkpoint(accelerator, resume_path, args)
         if state["batches_in_epoch"] >= len(train_dataloader):
             state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
+    if is_writer and args.overwrite_output_dir:
+        remove_checkpoints(args.output_dir)
     if accelerator.is_main_process:
-        if args.overwrite_output_dir:
-            remove_checkpoints(args.output_dir)
         args.output_dir.mkdir(parents=True, exist_ok=True)
         write_json(args.output_dir / "args.json", vars(args))
         # A resumed run drops what the interrupted one logged after its checkpoint; a new run starts afresh.
         keep_records_up_to(args.output_dir / "metrics.jsonl", state["global_step"])
     hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in vars(args).items()}
-    accelerator.init_trackers("tensorboard", config=hparams)
+    project = (
+        "tensorboard" if args.report_to == "tensorboard" else args.output_dir.name
+    )  # logs in output_dir/tensorboard
+    accelerator.init_trackers(project, config=hparams)
 
-    total_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    total_batch_size = args.per_device_train_batch_size * accelerator.num_processes * accumulation
     task = "regression" if is_regression else f"classification into {len(label_names)} classes"
     logger.info("***** Running training *****")
     logger.info(f"  Model = {args.model_name_or_path} ({num_parameters / 1e6:.1f}M parameters), {task}")
@@ -183,7 +188,7 @@ def main(args):
     logger.info(f"  Num epochs = {num_epochs}")
     logger.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size}")
     logger.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {total_batch_size}")
-    logger.info(f"  Gradient accumulation steps = {args.gradient_accumulation_steps}")
+    logger.info(f"  Gradient accumulation steps = {accumulation}")
     logger.info(
         f"  Total optimization steps = {max_train_steps}"
         + (f", resuming from {resume_path} at step {state['global_step']}" if resume_path else "")
@@ -196,9 +201,10 @@ def main(args):
             append_jsonl(args.output_dir / "metrics.jsonl", {"step": state["global_step"], **record})
 
     def checkpoint():
-        path = save_checkpoint(
-            accelerator, args.output_dir, {**state, "args": vars(args)}, is_writer, args.save_total_limit
-        )
+        with window.paused():  # throughput counts training time only
+            path = save_checkpoint(
+                accelerator, args.output_dir, {**state, "args": vars(args)}, is_writer, args.save_total_limit
+            )
         logger.info(f"Saved checkpoint {path}")
         return path
 
@@ -212,7 +218,8 @@ def main(args):
     window = ThroughputWindow(accelerator.device)
     start_time = time.perf_counter()
     eval_metrics, stop_reason = {}, None
-    for epoch in range(state["epoch"], num_epochs):
+    # A run resumed from its last step has nothing left to train.
+    for epoch in range(state["epoch"], num_epochs if state["global_step"] < max_train_steps else 0):
         model.train()
         train_dataloader.set_epoch(epoch)  # re-seeds the shuffle; before skip_first_batches for exact resume
         skip = state["batches_in_epoch"] if epoch == state["epoch"] else 0
@@ -264,7 +271,8 @@ def main(args):
 
             saved = False
             if (args.eval_steps and step % args.eval_steps == 0) or end_of_epoch or done:
-                eval_metrics, _ = evaluate(model, eval_dataloader, accelerator, is_regression)
+                with window.paused():  # throughput counts training time only
+                    eval_metrics, _ = evaluate(model, eval_dataloader, accelerator, is_regression)
                 log(eval_metrics)
                 logger.info(f"step {step}: " + ", ".join(f"{k} = {v:.4f}" for k, v in eval_metrics.items()))
                 value, best = eval_metrics[f"eval_{args.metric_for_best_model}"], state["best_metric"]
@@ -300,6 +308,7 @@ def main(args):
         if stop_reason or state["global_step"] >= max_train_steps:
             break
     progress.close()
+    window.flush(accelerator)  # an early stop can leave rows since the last log out of the totals
     train_runtime = time.perf_counter() - start_time
     if not eval_metrics:  # resumed from the last step: nothing left to train, but the results need metrics
         eval_metrics, _ = evaluate(model, eval_dataloader, accelerator, is_regression)
@@ -318,7 +327,6 @@ def main(args):
     accelerator.unwrap_model(model).save_pretrained(
         args.output_dir,
         is_main_process=accelerator.is_main_process,
-        save_function=accelerator.save,
         state_dict=state_dict,
     )
     results = {

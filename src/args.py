@@ -75,7 +75,11 @@ def _add_data_arguments(group, split_help):
     group.add_argument("--text_column", help="Text column; detected when not given (sentence, text, sentence1, ...).")
     group.add_argument("--text_pair_column", help="Second text column for pair tasks; detected (e.g. sentence2).")
     group.add_argument("--label_column", help="Label column; detected when not given (label, labels).")
-    group.add_argument("--max_length", type=_positive_int, default=128, help="Truncate texts to this many tokens.")
+    group.add_argument(
+        "--max_length",
+        type=_positive_int,
+        help="Truncate texts to this many tokens. Default: 128, or the model's limit if less.",
+    )
     group.add_argument("--max_eval_samples", type=_positive_int, help=f"Keep only the first N rows of {split_help}.")
 
 
@@ -151,7 +155,7 @@ def build_train_parser() -> ArgumentParser:
     )
     evaluation.add_argument(
         "--load_best_model_at_end",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="Save the best evaluated model as the final one (a checkpoint is kept at each improvement).",
     )
 
@@ -160,21 +164,26 @@ def build_train_parser() -> ArgumentParser:
         "--checkpointing_steps", type=_steps_or_epoch, help="Save a resumable checkpoint every N steps or each epoch."
     )
     checkpoints.add_argument(
-        "--save_total_limit", type=_positive_int, help="Keep only the newest N checkpoints (the best one always stays)."
+        "--save_total_limit",
+        type=_positive_int,
+        help="Keep only the newest N checkpoints (and the best one, with --load_best_model_at_end).",
     )
     checkpoints.add_argument(
         "--resume_from_checkpoint", help="A checkpoint folder, or 'latest' for the newest one in --output_dir."
     )
     checkpoints.add_argument(
-        "--overwrite_output_dir", action="store_true", help="Start afresh in an --output_dir that holds a run."
+        "--overwrite_output_dir",
+        action=argparse.BooleanOptionalAction,
+        help="Start afresh in an --output_dir that holds a run.",
     )
     checkpoints.add_argument(
         "--max_time", type=_positive_float, help="Stop after this many minutes, saving a checkpoint to resume from."
     )
     checkpoints.add_argument(
         "--save_on_each_node",
-        action="store_true",
-        help="Multi-node without a shared file system: every node writes the checkpoint files it needs to resume.",
+        action=argparse.BooleanOptionalAction,
+        help="Only for machines that share no file system: each node's local main process writes the checkpoint "
+        "files its ranks need to resume. On a shared file system the nodes would overwrite each other.",
     )
 
     logging = parser.add_argument_group("logging")
@@ -192,7 +201,7 @@ def build_eval_parser() -> ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--config", type=Path, help="YAML file with any of these flags as keys; the command line wins.")
-    parser.add_argument("--model_name_or_path", required=True, help="A train.py output folder (or any classifier).")
+    parser.add_argument("--model_name_or_path", help="Required: a train.py output folder (or a fine-tuned classifier).")
     data = parser.add_argument_group("data")
     data.add_argument("--validation_file", type=Path, help="Data to evaluate: .csv, .tsv, .json, .jsonl or .parquet.")
     data.add_argument("--split", default="validation", help="Split of --dataset_name to evaluate.")

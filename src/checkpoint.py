@@ -9,6 +9,8 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
+
 from src.errors import UserError
 
 STATE_FILE = "training_state.json"
@@ -92,13 +94,26 @@ def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
     return path
 
 
-def load_checkpoint(accelerator, path: Path) -> dict:
+# What decides the order and grouping of batches: a resumed run must keep them to continue exactly.
+SAME_ON_RESUME = ("per_device_train_batch_size", "gradient_accumulation_steps", "seed", "group_by_length",
+                  "train_file", "dataset_name", "dataset_config_name", "max_train_samples", "max_length")  # fmt: skip
+
+
+def load_checkpoint(accelerator, path: Path, args) -> dict:
     """Restore everything `save_checkpoint` saved; returns the loop's position."""
     try:
         state = json.loads((path / STATE_FILE).read_text())
         position = (state["global_step"], state["epoch"], state["batches_in_epoch"], state["num_processes"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"checkpoint {path}: {STATE_FILE} is unreadable or incomplete ({err}); use another") from err
+    saved = state.get("args", {})
+    changed = [f"--{key} {saved[key]} -> {getattr(args, key)}" for key in SAME_ON_RESUME
+               if key in saved and str(saved[key]) != str(getattr(args, key))]  # fmt: skip
+    if changed:
+        raise UserError(
+            f"checkpoint {path} was made with other settings ({'; '.join(changed)}): resume with the same ones "
+            "so the run continues exactly, or start a new run"
+        )
     if position[3] != accelerator.num_processes:
         raise UserError(
             f"checkpoint {path} was written by {position[3]} processes and this run has "
@@ -111,6 +126,13 @@ def load_checkpoint(accelerator, path: Path) -> dict:
             f"checkpoint {path} cannot be loaded ({' '.join(str(err).split())[:300]}); it is damaged or from "
             "another model: use an earlier checkpoint"
         ) from err
+    # Without a shared file system each node picks its own 'latest': every rank must have the same step.
+    steps = accelerator.gather(torch.tensor([state["global_step"]], device=accelerator.device))
+    if steps.min() != steps.max():
+        raise UserError(
+            f"the ranks resumed from different steps ({sorted(set(steps.tolist()))}): the nodes' --output_dir "
+            "folders hold different checkpoints; pass the same checkpoint path on every node"
+        )
     return state
 
 

@@ -6,6 +6,7 @@ Every function here runs identically on every rank; train.py calls the loading a
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Value, load_dataset
 from torch.utils.data import DataLoader, Sampler
@@ -30,6 +31,7 @@ TEXT_PAIR_COLUMNS = (
 )
 LABEL_COLUMNS = ("label", "labels")
 INDEX_COLUMN = "example_index"  # position in the evaluated data, so results can be put back in order
+LENGTH_COLUMN = "length"  # tokens per example, for batching by length without reading every token id
 
 
 def load_file(path: Path) -> Dataset:
@@ -160,14 +162,17 @@ def tokenize(
     """
     class_label = dataset.features[label_column] if label_column else None
     class_names = class_label.names if isinstance(class_label, ClassLabel) else None
-    if class_names is not None and set(dataset.unique(label_column)) == {-1}:
-        label_column = None  # unlabelled split, e.g. GLUE's test sets
+    if class_names is not None and -1 in dataset.unique(label_column):
+        if set(dataset.unique(label_column)) != {-1}:
+            raise UserError(f"label column {label_column!r} marks some rows as unlabelled (-1); drop those rows")
+        label_column = None  # an unlabelled split, e.g. GLUE's test sets
 
     def encode(rows, indices):
         texts = [str(t) if t is not None else "" for t in rows[text_column]]
         pairs = [str(t) if t is not None else "" for t in rows[text_pair_column]] if text_pair_column else None
         encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length)
         encoded[INDEX_COLUMN] = indices
+        encoded[LENGTH_COLUMN] = [len(ids) for ids in encoded["input_ids"]]
         if label_column is None:
             return encoded
         raw = rows[label_column]
@@ -210,8 +215,8 @@ class LengthGroupedSampler(Sampler[int]):
         return len(self.lengths)
 
     def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        rng = np.random.default_rng([self.seed, self.epoch])  # (seed 42, epoch 1) != (seed 43, epoch 0)
+        order = rng.permutation(len(self.lengths)).tolist()
         if not self.group_by_length:
             yield from order
             return
@@ -223,7 +228,7 @@ class LengthGroupedSampler(Sampler[int]):
         batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         # Shuffle the batches (the short last one stays last) so lengths do not rise steadily within a window.
         full = len(order) // self.batch_size
-        for position in torch.randperm(full, generator=generator).tolist():
+        for position in rng.permutation(full).tolist():
             yield from batches[position]
         if full < len(batches):
             yield from batches[-1]
@@ -232,10 +237,9 @@ class LengthGroupedSampler(Sampler[int]):
 def build_train_dataloader(
     dataset: Dataset, tokenizer, batch_size, num_processes, seed, group_by_length=True, pad_to_multiple_of=None
 ) -> DataLoader:
-    lengths = [len(ids) for ids in dataset["input_ids"]]
-    sampler = LengthGroupedSampler(lengths, batch_size * num_processes, seed, group_by_length)
+    sampler = LengthGroupedSampler(dataset[LENGTH_COLUMN], batch_size * num_processes, seed, group_by_length)
     return DataLoader(
-        dataset.remove_columns(INDEX_COLUMN),
+        dataset.remove_columns([INDEX_COLUMN, LENGTH_COLUMN]),
         batch_size=batch_size,
         sampler=sampler,
         collate_fn=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of),
@@ -247,10 +251,10 @@ def build_train_dataloader(
 
 def build_eval_dataloader(dataset: Dataset, tokenizer, batch_size, pad_to_multiple_of=None) -> DataLoader:
     """Longest examples first, so batches hold similar lengths; `evaluate` puts results back in row order."""
-    lengths = [len(ids) for ids in dataset["input_ids"]]
+    lengths = dataset[LENGTH_COLUMN]
     by_length = sorted(range(len(dataset)), key=lambda i: -lengths[i])
     return DataLoader(
-        dataset,
+        dataset.remove_columns(LENGTH_COLUMN),
         batch_size=batch_size,
         sampler=by_length,
         collate_fn=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of),

@@ -10,6 +10,8 @@ import warnings
 from functools import cache
 from pathlib import Path
 
+from src.errors import UserError
+
 MODULES = Path(__file__).parent / "metric_modules"
 CLASSIFICATION_METRICS = ("accuracy", "f1", "matthews_correlation")
 REGRESSION_METRICS = ("pearsonr", "spearmanr", "mse")
@@ -18,6 +20,20 @@ LOWER_IS_BETTER = ("mse", "loss")
 
 def main_metric(is_regression: bool) -> str:
     return "mse" if is_regression else "accuracy"
+
+
+def check_best_metric(name: str | None, is_regression: bool) -> str:
+    """--metric_for_best_model, defaulted and checked against what evaluation reports for this task."""
+    if name is None:
+        return main_metric(is_regression)
+    known = (
+        ["pearson", "spearmanr", "mse", "loss"] if is_regression else ["accuracy", "f1", "matthews_correlation", "loss"]
+    )
+    name = name.removeprefix("eval_")
+    if name not in known:
+        task = "regression" if is_regression else "classification"
+        raise UserError(f"--metric_for_best_model {name!r} is not reported for {task}; use one of {', '.join(known)}")
+    return name
 
 
 def greater_is_better(metric: str) -> bool:

@@ -3,6 +3,7 @@
 import importlib.util
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from src.errors import UserError
@@ -35,9 +36,20 @@ def load_tokenizer(name_or_path: str):
     return _load("tokenizer", AutoTokenizer.from_pretrained, name_or_path)
 
 
-def load_model(name_or_path: str, label_names: list[str] | None = None, regression: bool = False):
-    """A regressor, a classifier with a head for `label_names` (new if the checkpoint had other labels),
-    or, with neither, the checkpoint's own head and labels (to evaluate a fine-tuned model)."""
+def resolve_max_length(max_length: int | None, tokenizer, default: int = 128) -> int:
+    """--max_length, checked against the model's positions; unset, 128 or the model's limit if less."""
+    limit = tokenizer.model_max_length
+    limit = limit if limit < 1_000_000 else None  # tokenizers without a limit report a huge sentinel
+    if max_length is None:
+        return min(default, limit or default)
+    if limit and max_length > limit:
+        raise UserError(f"--max_length {max_length} is more than the model's {limit} positions; use {limit} or less")
+    return max_length
+
+
+def load_model(name_or_path: str, label_names=None, regression: bool = False, trained_head: bool = False):
+    """A regressor, a classifier with a head for `label_names` (new if the checkpoint's head has another
+    size), or, with `trained_head`, the checkpoint's own fine-tuned head and labels, for evaluation."""
     labels = {}
     if regression:
         labels = {"num_labels": 1, "problem_type": "regression"}
@@ -49,10 +61,19 @@ def load_model(name_or_path: str, label_names: list[str] | None = None, regressi
             "problem_type": "single_label_classification",
         }
     config = _load("model config", AutoConfig.from_pretrained, name_or_path, **labels)
-    return _load(
+    model, info = _load(
         "sequence classifier",
         AutoModelForSequenceClassification.from_pretrained,
         name_or_path,
         config=config,
-        ignore_mismatched_sizes=True,  # a checkpoint fine-tuned on other labels gets a fresh head
+        dtype=torch.float32,  # fp32 master weights even from a bf16/fp16 checkpoint; autocast does the rest
+        ignore_mismatched_sizes=not trained_head,  # fine-tuning on other labels gets a fresh head
+        output_loading_info=True,
     )
+    if trained_head and info["missing_keys"]:
+        missing = ", ".join(sorted(info["missing_keys"])[:3])
+        raise UserError(
+            f"{name_or_path} has no fine-tuned classification head (missing {missing}): "
+            "evaluate a train.py output folder"
+        )
+    return model

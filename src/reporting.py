@@ -6,6 +6,7 @@ The writing and plotting functions are called on the main process only.
 import json
 import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
@@ -127,6 +128,13 @@ class ThroughputWindow:
         self.batches += 1
         self.samples += batch["input_ids"].shape[0]
         self.padded_tokens += batch["input_ids"].numel()
+
+    @contextmanager
+    def paused(self):
+        """Leave the time spent inside (evaluation, checkpointing) out of the throughput."""
+        started = time.perf_counter()
+        yield
+        self.start += time.perf_counter() - started
 
     def flush(self, accelerator) -> dict:
         """Mean loss and throughput over all ranks since the last flush (a collective: call on every rank)."""

@@ -43,7 +43,7 @@ def make_tiny_model(folder: Path, dropout: float = 0.1) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(_vocabulary()) + "\n")
-    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), model_max_length=64).save_pretrained(folder)
     config = BertConfig(
         vocab_size=len(_vocabulary()),
         hidden_size=32,
@@ -154,3 +154,15 @@ def launch(script: str, args: list[str], num_processes: int = 2, timeout: int = 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     command = launch_command(script, args, num_processes)
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tmp_path_factory, tiny_model_no_dropout):
+    """One 2-process training run (4 rows per rank), shared by the tests that compare other setups with it."""
+    folder = tmp_path_factory.mktemp("two-ranks")
+    train_file = write_rows(folder / "train.csv", sentiment_rows(64, seed=1))
+    dev_file = write_rows(folder / "dev.csv", sentiment_rows(21, seed=2))
+    args = [str(tiny_model_no_dropout), train_file, dev_file]
+    result = launch("train.py", train_args(*args, folder / "out", "--per_device_train_batch_size", "4"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"args": args, "output_dir": folder / "out", "log": result.stdout + result.stderr}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from src.args import build_eval_parser, build_train_parser, parse_args, validate_train_args
+from src.args import build_train_parser, parse_args, validate_train_args
 
 
 def parse(*argv):
@@ -22,7 +22,8 @@ def error_of(capsys, *argv) -> str:
 def test_defaults_are_sensible():
     args = parse()
     assert (args.num_train_epochs, args.per_device_train_batch_size, args.learning_rate) == (3, 32, 5e-5)
-    assert args.report_to == "tensorboard" and args.group_by_length and args.max_length == 128
+    assert args.max_length is None  # 128, or less for a model with fewer positions
+    assert args.report_to == "tensorboard" and args.group_by_length
 
 
 @pytest.mark.parametrize(
@@ -92,9 +93,22 @@ def test_help_groups_flags_and_shows_defaults(capsys):
     assert "(default: 5e-05)" in text
 
 
-def test_evaluate_needs_a_model():
+def test_evaluate_needs_a_model_from_the_command_line_or_its_config(tmp_path, capsys):
+    from conftest import load_script
+
+    parse_eval_args = load_script("evaluate").parse_eval_args
     with pytest.raises(SystemExit):
-        parse_args(build_eval_parser(), [])
+        parse_eval_args(["--validation_file", "dev.csv"])
+    assert "--model_name_or_path is required" in capsys.readouterr().err
+    config = tmp_path / "eval.yaml"
+    config.write_text(f"model_name_or_path: {tmp_path}\nvalidation_file: dev.csv\n")
+    assert parse_eval_args(["--config", str(config)]).output_dir == tmp_path
+
+
+def test_on_off_flags_can_be_turned_off_from_the_command_line(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("load_best_model_at_end: true\n")
+    assert not parse("--config", str(config), "--no-load_best_model_at_end").load_best_model_at_end
 
 
 def test_the_example_config_file_is_valid():

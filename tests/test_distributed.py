@@ -14,18 +14,12 @@ from safetensors.torch import load_file
 train = load_script("train")
 
 
-def test_two_ranks_of_four_train_like_one_rank_of_eight(tiny_model_no_dropout, tmp_path):
+def test_two_ranks_of_four_train_like_one_rank_of_eight(two_rank_run, tmp_path):
     """Same examples in each update, gradients averaged over ranks: the same weights up to float rounding."""
-    train_file = write_rows(tmp_path / "train.csv", sentiment_rows(64, seed=1))
-    dev_file = write_rows(tmp_path / "dev.csv", sentiment_rows(21, seed=2))
-    one, two = tmp_path / "one", tmp_path / "two"
-    train.main(train.parse_train_args(train_args(tiny_model_no_dropout, train_file, dev_file, one)))
-    args = train_args(tiny_model_no_dropout, train_file, dev_file, two, "--per_device_train_batch_size", "4")
-    result = launch("train.py", args)
-    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = tmp_path / "one", two_rank_run["output_dir"]
+    train.main(train.parse_train_args(train_args(*two_rank_run["args"], one)))
 
-    log = result.stdout + result.stderr
-    assert log.count("Running training") == 1, "only the main process logs"
+    assert two_rank_run["log"].count("Running training") == 1, "only the main process logs"
     assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir()), "one copy of each file"
     results = json.loads((two / "all_results.json").read_text())
     assert results["num_processes"] == 2 and results["total_train_batch_size"] == 8 and results["eval_samples"] == 21
@@ -47,24 +41,30 @@ def trained_model(tmp_path_factory, tiny_model):
     return folder / "model"
 
 
+@pytest.fixture(scope="module")
+def single_process_evaluation(trained_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("single")
+    data = write_rows(folder / "eval.csv", sentiment_rows(37, seed=5))
+    args = ["--model_name_or_path", str(trained_model), "--validation_file", str(data), "--output_dir", str(folder)]
+    result = launch("evaluate.py", [*args, "--per_device_eval_batch_size", "8"], num_processes=1)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return data, folder
+
+
 @pytest.mark.parametrize("num_processes,batch_size", [(2, 4), (3, 5)])
-def test_evaluation_counts_every_example_once(trained_model, tmp_path, num_processes, batch_size):
+def test_evaluation_counts_every_example_once(trained_model, single_process_evaluation, tmp_path, num_processes,
+                                              batch_size):  # fmt: skip
     """37 rows do not split evenly: padded repeats must not be counted, and rows come back in order."""
-    data = write_rows(tmp_path / "eval.csv", sentiment_rows(37, seed=5))
+    data, single_dir = single_process_evaluation
     common = ["--model_name_or_path", str(trained_model), "--validation_file", str(data)]
-    single = launch(
-        "evaluate.py",
-        [*common, "--output_dir", str(tmp_path / "single"), "--per_device_eval_batch_size", "8"],
-        num_processes=1,
-    )
     multi = launch(
         "evaluate.py",
         [*common, "--output_dir", str(tmp_path / "multi"), "--per_device_eval_batch_size", str(batch_size)],
         num_processes=num_processes,
     )
-    assert single.returncode == 0 and multi.returncode == 0, single.stderr[-2000:] + multi.stderr[-2000:]
+    assert multi.returncode == 0, multi.stderr[-2000:]
     for name in ("eval_results.json", "predictions.csv"):
-        assert (tmp_path / "single" / name).read_text() == (tmp_path / "multi" / name).read_text(), name
+        assert (single_dir / name).read_text() == (tmp_path / "multi" / name).read_text(), name
     results = json.loads((tmp_path / "multi" / "eval_results.json").read_text())
     assert results["eval_samples"] == 37
     rows = (tmp_path / "multi" / "predictions.csv").read_text().splitlines()[1:]

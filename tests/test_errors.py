@@ -81,3 +81,30 @@ def test_missing_labels_in_training_data(tmp_path, tiny_model):
     args = train_args(tiny_model, train_file, train_file, tmp_path / "out")
     with pytest.raises(train.UserError, match="label column 'label' has empty values"):
         train.main(train.parse_train_args(args))
+
+
+def test_settings_a_task_cannot_use(tmp_path, tiny_model, tiny_data):
+    with pytest.raises(train.UserError, match="--metric_for_best_model 'pearson' is not reported for classification"):
+        train.main(train.parse_train_args(train_args(tiny_model, *tiny_data, tmp_path / "a", "--metric_for_best_model",
+                                                     "pearson")))  # fmt: skip
+    with pytest.raises(train.UserError, match="--max_length 100 is more than the model's 64 positions"):
+        train.main(train.parse_train_args(train_args(tiny_model, *tiny_data, tmp_path / "b", "--max_length", "100")))
+
+
+def test_evaluating_a_model_without_a_fine_tuned_head(tmp_path, tiny_data):
+    from conftest import make_tiny_model
+    from transformers import BertConfig, BertModel
+
+    base = make_tiny_model(tmp_path / "base")
+    BertModel(BertConfig.from_pretrained(base)).save_pretrained(base)  # an encoder with no classifier weights
+    args = evaluate_script.parse_eval_args(["--model_name_or_path", str(base), "--validation_file", str(tiny_data[1])])
+    with pytest.raises(evaluate_script.UserError, match="has no fine-tuned classification head"):
+        evaluate_script.main(args)
+
+
+def test_resume_with_other_batching_settings_is_refused(tmp_path, tiny_model, tiny_data):
+    out = tmp_path / "out"
+    train.main(train.parse_train_args(train_args(tiny_model, *tiny_data, out, "--checkpointing_steps", "4")))
+    changed = train_args(tiny_model, *tiny_data, out, "--resume_from_checkpoint", "latest", "--seed", "8")
+    with pytest.raises(train.UserError, match=r"made with other settings \(--seed 7 -> 8\)"):
+        train.main(train.parse_train_args(changed))

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CPU_CONFIG, REPO, launch, sentiment_rows, train_args, write_rows
+from conftest import CPU_CONFIG, REPO, sentiment_rows, train_args, write_rows
 from safetensors.torch import load_file
 
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
@@ -41,16 +41,16 @@ def data(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_machines_on_loopback_train_as_one_group(tiny_model_no_dropout, data, tmp_path):
+def test_two_machines_on_loopback_train_as_one_group(two_rank_run, tmp_path):
     """Shared output folder: one group of 2 that matches a 2-process single-machine run."""
-    single = launch("train.py", train_args(tiny_model_no_dropout, *data, tmp_path / "single"))
-    assert single.returncode == 0, single.stderr[-3000:]
-    nodes = launch_two_nodes(lambda rank: train_args(tiny_model_no_dropout, *data, tmp_path / "nodes"))
+    shared = train_args(*two_rank_run["args"], tmp_path / "nodes", "--per_device_train_batch_size", "4")
+    nodes = launch_two_nodes(lambda rank: shared)
     assert all(node.returncode == 0 for node in nodes), nodes[0].stdout[-3000:] + nodes[1].stdout[-3000:]
 
     results = json.loads((tmp_path / "nodes" / "all_results.json").read_text())
     assert results["num_processes"] == 2 and results["eval_samples"] == 21
-    a, b = load_file(tmp_path / "single" / "model.safetensors"), load_file(tmp_path / "nodes" / "model.safetensors")
+    a = load_file(two_rank_run["output_dir"] / "model.safetensors")
+    b = load_file(tmp_path / "nodes" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
 
 
