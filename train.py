@@ -280,7 +280,8 @@ def main(args):
                     state.update(best_metric=value, best_metrics=eval_metrics, evals_without_improvement=0)
                     if args.load_best_model_at_end:
                         state["best_checkpoint"] = str(args.output_dir / f"checkpoint-{step}")
-                        saved = bool(checkpoint())
+                        checkpoint()
+                        saved = True
                 else:
                     state["evals_without_improvement"] += 1
                 # Every rank computed these metrics from the same gathered predictions, so all stop together.

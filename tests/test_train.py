@@ -72,6 +72,13 @@ def test_regression_with_text_pairs(tiny_model, tmp_path):
     assert (args["text_column"], args["text_pair_column"]) == ("sentence1", "sentence2")
     assert args["metric_for_best_model"] == "mse" and args["greater_is_better"] is False
 
+    metrics = evaluate_script.main(
+        evaluate_script.parse_eval_args(["--model_name_or_path", str(out), "--validation_file", str(dev_file)])
+    )
+    assert metrics["eval_samples"] == 8 and (out / "predictions_vs_labels.png").stat().st_size > 5_000
+    predictions = (out / "predictions.csv").read_text().splitlines()
+    assert predictions[0] == "index,label,prediction" and len(predictions) == 9
+
 
 def test_validation_split_carved_from_train_and_int_labels(tiny_model, tmp_path):
     rows = [{"text": r["sentence"], "label": 3 if r["label"] == "positive" else 7} for r in sentiment_rows(50)]
