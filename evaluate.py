@@ -8,6 +8,7 @@ runs on 1 or many processes.
 """
 
 import csv
+import json
 from pathlib import Path
 
 import torch
@@ -39,6 +40,14 @@ def parse_eval_args(argv=None):
     return args
 
 
+def remembered_columns(model_dir: str, column_names: list[str]) -> dict:
+    """The columns a train.py output folder was trained on, where this data has them too."""
+    trained_with = Path(model_dir) / "args.json"
+    saved = json.loads(trained_with.read_text()) if trained_with.is_file() else {}
+    keys = ("text_column", "text_pair_column", "label_column")
+    return {key: saved[key] for key in keys if saved.get(key) in column_names}
+
+
 def load_split(args) -> Dataset:
     if args.validation_file:
         return load_file(args.validation_file)
@@ -57,8 +66,14 @@ def main(args):
         data = load_split(args)
         if args.max_eval_samples:
             data = data.select(range(min(args.max_eval_samples, len(data))))
+        # Unless told otherwise, evaluate the columns the model was trained on.
+        remembered = remembered_columns(args.model_name_or_path, data.column_names)
         text_column, pair_column, label_column = detect_columns(
-            data.column_names, args.text_column, args.text_pair_column, args.label_column, need_label=False
+            data.column_names,
+            args.text_column or remembered.get("text_column"),
+            args.text_pair_column or remembered.get("text_pair_column"),
+            args.label_column or remembered.get("label_column"),
+            need_label=False,
         )
         tokenizer = load_tokenizer(args.model_name_or_path)
         model = load_model(args.model_name_or_path, trained_head=True)

@@ -148,3 +148,14 @@ def test_demo_task_starts_at_chance_with_the_packaged_model(tmp_path):
     loader = accelerator.prepare(build_eval_dataloader(dataset, tokenizer, 64))
     metrics, _ = evaluate(accelerator.prepare_model(model, evaluation_mode=True), loader, accelerator, False)
     assert 0.4 < metrics["eval_accuracy"] < 0.6
+
+
+def test_evaluate_without_labels_writes_predictions_only(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "out"
+    run_train(*train_args(tiny_model, *tiny_data, out, "--num_train_epochs", "1"))
+    unlabelled = write_rows(tmp_path / "test.csv", [{"sentence": r["sentence"]} for r in sentiment_rows(5)])
+    args = ["--model_name_or_path", str(out), "--validation_file", str(unlabelled), "--output_dir", str(tmp_path / "e")]
+    assert evaluate_script.main(evaluate_script.parse_eval_args(args)) == {"eval_samples": 5}
+    lines = (tmp_path / "e" / "predictions.csv").read_text().splitlines()
+    assert lines[0] == "index,prediction" and len(lines) == 6
+    assert {line.split(",")[1] for line in lines[1:]} <= {"negative", "positive"}
