@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CPU_CONFIG, REPO, sentiment_rows, train_args, write_rows
+from conftest import REPO, sentiment_rows, train_args, write_rows
 from safetensors.torch import load_file
 
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+MULTI_NODE_CONFIG = REPO / "accelerate_configs" / "multi_node.yaml"
 
 
 def launch_two_nodes(args_for_rank) -> list[subprocess.CompletedProcess]:
@@ -20,9 +21,11 @@ def launch_two_nodes(args_for_rank) -> list[subprocess.CompletedProcess]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launchers = []
     for machine_rank in (0, 1):
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
+        # accelerate_configs/multi_node.yaml itself, with the fields it marks EDIT set for one CPU process per
+        # "machine" on loopback (and fp32: bf16 autocast on CPU would change the numbers compared below).
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(MULTI_NODE_CONFIG),
                    "--num_machines", "2", "--machine_rank", str(machine_rank), "--num_processes", "2",
-                   "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+                   "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--mixed_precision", "no",
                    str(REPO / "train.py"), *args_for_rank(machine_rank)]  # fmt: skip
         launchers.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))  # fmt: skip
