@@ -42,8 +42,10 @@ def parse_eval_args(argv=None):
 
 def remembered_columns(model_dir: str, column_names: list[str]) -> dict:
     """The columns a train.py output folder was trained on, where this data has them too."""
-    trained_with = Path(model_dir) / "args.json"
-    saved = json.loads(trained_with.read_text()) if trained_with.is_file() else {}
+    try:
+        saved = json.loads((Path(model_dir) / "args.json").read_text())
+    except (OSError, ValueError):  # not a train.py folder, or an unreadable file: detect the columns instead
+        saved = {}
     keys = ("text_column", "text_pair_column", "label_column")
     return {key: saved[key] for key in keys if saved.get(key) in column_names}
 

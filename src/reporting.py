@@ -43,7 +43,14 @@ def keep_records_up_to(path: Path, step: int):
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records, without a last line cut short by a run killed while writing it."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
 
 
 def plot_training_curves(records: list[dict], path: Path):

@@ -159,3 +159,18 @@ def test_evaluate_without_labels_writes_predictions_only(tiny_model, tiny_data, 
     lines = (tmp_path / "e" / "predictions.csv").read_text().splitlines()
     assert lines[0] == "index,prediction" and len(lines) == 6
     assert {line.split(",")[1] for line in lines[1:]} <= {"negative", "positive"}
+
+
+def test_a_line_cut_short_by_a_kill_is_skipped(tmp_path):
+    from src.reporting import keep_records_up_to, read_jsonl
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1, "loss": 0.7}\n{"step": 2, "loss": 0.6}\n{"step": 3, "lo')
+    assert read_jsonl(log) == [{"step": 1, "loss": 0.7}, {"step": 2, "loss": 0.6}]
+    keep_records_up_to(log, 1)
+    assert read_jsonl(log) == [{"step": 1, "loss": 0.7}]
+
+
+def test_evaluate_ignores_a_damaged_args_json(tmp_path):
+    (tmp_path / "args.json").write_text("{not json")
+    assert evaluate_script.remembered_columns(str(tmp_path), ["sentence", "label"]) == {}
