@@ -22,6 +22,8 @@ from src.errors import UserError, main_process_first, run_cli
 from src.evaluation import evaluate
 from src.model import load_model, load_tokenizer, resolve_max_length
 from src.reporting import plot_confusion_matrix, plot_regression, setup_logging, write_json
+from src.runtime import resolve_mixed_precision, set_cpu_threads
+from src.task import task_of_config
 
 logger = get_logger(__name__)
 
@@ -40,14 +42,12 @@ def parse_eval_args(argv=None):
     return args
 
 
-def remembered_columns(model_dir: str, column_names: list[str]) -> dict:
-    """The columns a train.py output folder was trained on, where this data has them too."""
+def training_settings(model_dir: str) -> dict:
+    """The resolved flags of the train.py run that wrote `model_dir` (its args.json), or {} for other folders."""
     try:
-        saved = json.loads((Path(model_dir) / "args.json").read_text())
-    except (OSError, ValueError):  # not a train.py folder, or an unreadable file: detect the columns instead
-        saved = {}
-    keys = ("text_column", "text_pair_column", "label_column")
-    return {key: saved[key] for key in keys if saved.get(key) in column_names}
+        return json.loads((Path(model_dir) / "args.json").read_text())
+    except (OSError, ValueError):  # not a train.py folder, or an unreadable file: detect everything instead
+        return {}
 
 
 def load_split(args) -> Dataset:
@@ -61,15 +61,21 @@ def load_split(args) -> Dataset:
 
 
 def main(args):
-    accelerator = Accelerator(cpu=not torch.accelerator.is_available(), mixed_precision=args.mixed_precision)
+    trained = training_settings(args.model_name_or_path)
+    on_cpu = not torch.accelerator.is_available()
+    # The training run's precision, unless told otherwise, so that its final metrics are reproduced.
+    precision = resolve_mixed_precision(args.mixed_precision or trained.get("mixed_precision"), on_cpu)
+    accelerator = Accelerator(cpu=on_cpu, mixed_precision=precision)
     setup_logging()
+    if on_cpu:
+        set_cpu_threads(args.cpu_threads)
 
     with main_process_first(accelerator):
         data = load_split(args)
         if args.max_eval_samples:
             data = data.select(range(min(args.max_eval_samples, len(data))))
-        # Unless told otherwise, evaluate the columns the model was trained on.
-        remembered = remembered_columns(args.model_name_or_path, data.column_names)
+        # Unless told otherwise, evaluate the columns the model was trained on, where this data has them.
+        remembered = {k: v for k, v in trained.items() if k.endswith("_column") and v in data.column_names}
         text_column, pair_column, label_column = detect_columns(
             data.column_names,
             args.text_column or remembered.get("text_column"),
@@ -78,28 +84,24 @@ def main(args):
             need_label=False,
         )
         tokenizer = load_tokenizer(args.model_name_or_path)
-        model = load_model(args.model_name_or_path, trained_head=True)
+        model = load_model(args.model_name_or_path)
+        task = task_of_config(model.config)
         args.max_length = resolve_max_length(args.max_length, tokenizer)
-        is_regression = model.config.problem_type == "regression" or model.config.num_labels == 1
-        label2id = None if is_regression else {name: int(i) for i, name in model.config.id2label.items()}
-        if label2id and list(label2id) == [f"LABEL_{i}" for i in range(len(label2id))]:
-            label2id = {str(i): i for i in range(len(label2id))}  # no label names saved: the labels are the ids
-        dataset = tokenize(data, tokenizer, text_column, pair_column, label_column, args.max_length, label2id)
+        dataset = tokenize(data, tokenizer, (text_column, pair_column, label_column), args.max_length, task)
 
-    names = None if is_regression else [model.config.id2label[i] for i in range(model.config.num_labels)]
     dataloader = accelerator.prepare(build_eval_dataloader(dataset, tokenizer, args.per_device_eval_batch_size))
     model = accelerator.prepare_model(model, evaluation_mode=True)  # no DDP wrapper: nothing to synchronise
     logger.info(
         f"Evaluating {args.model_name_or_path} on {len(dataset)} examples with {accelerator.num_processes} "
         f"process(es), batch size {args.per_device_eval_batch_size} per process"
     )
-    metrics, columns = evaluate(model, dataloader, accelerator, is_regression)
+    metrics, columns = evaluate(model, dataloader, accelerator, task)
 
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         # Rounded so that summation order (batch size, number of processes) cannot change the file.
         write_json(args.output_dir / "eval_results.json", {k: round(v, 6) for k, v in metrics.items()})
-        show = (lambda v: f"{v:.4f}") if is_regression else (lambda v: names[v])
+        show = (lambda v: f"{v:.4f}") if task.is_regression else (lambda v: task.label_names[v])
         with open(args.output_dir / "predictions.csv", "w", newline="") as file:
             writer = csv.writer(file)
             has_labels = "label" in columns
@@ -109,11 +111,11 @@ def main(args):
                 writer.writerow(values + [show(columns["prediction"][row])])
         written = ["eval_results.json", "predictions.csv"]
         if "label" in columns:
-            picture = args.output_dir / ("predictions_vs_labels.png" if is_regression else "confusion_matrix.png")
-            if is_regression:
+            picture = args.output_dir / ("predictions_vs_labels.png" if task.is_regression else "confusion_matrix.png")
+            if task.is_regression:
                 plot_regression(columns["label"], columns["prediction"], picture)
             else:
-                plot_confusion_matrix(columns["label"], columns["prediction"], names, picture)
+                plot_confusion_matrix(columns["label"], columns["prediction"], task.label_names, picture)
             written.append(picture.name)
         summary = ", ".join(f"{k} = {v:.4f}" for k, v in metrics.items() if k != "eval_samples")
         logger.info(f"{summary}\nWrote {', '.join(written)} to {args.output_dir.resolve()}")

@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import skip_first_batches
 from accelerate.logging import get_logger
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
@@ -28,14 +28,7 @@ from src.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from src.data import (
-    build_eval_dataloader,
-    build_train_dataloader,
-    detect_columns,
-    label_names_of,
-    load_raw_splits,
-    tokenize,
-)
+from src.data import build_eval_dataloader, build_train_dataloader, detect_columns, load_raw_splits, tokenize
 from src.errors import UserError, main_process_first, run_cli
 from src.evaluation import evaluate
 from src.metrics import check_best_metric, greater_is_better
@@ -49,6 +42,8 @@ from src.reporting import (
     setup_logging,
     write_json,
 )
+from src.runtime import StopSignals, StopVote, resolve_mixed_precision, set_cpu_threads
+from src.task import detect_task
 
 logger = get_logger(__name__)
 
@@ -58,33 +53,42 @@ def parse_train_args(argv=None):
     return validate_train_args(parser, parse_args(parser, argv))
 
 
-class StopRequest:
-    """Turns SIGTERM/SIGINT (what SLURM, spot instances and Ctrl-C send) into a flag checked after each step."""
-
-    def __init__(self):
-        self.signal = None
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self.handle)
-
-    def handle(self, signum, frame):
-        self.signal = signum
-        signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C stops at once
-
-
-def main(args):
-    # cpu=True when there is no accelerator: otherwise torchrun or `--multi_gpu` on a CPU-only machine starts
-    # N unrelated single-process runs instead of N ranks of one.
+def build_accelerator(args) -> Accelerator:
+    on_cpu = not torch.accelerator.is_available()
     accelerator = Accelerator(
-        cpu=not torch.accelerator.is_available(),
-        mixed_precision=args.mixed_precision,
+        # Without cpu=True, torchrun or `--multi_gpu` on a machine without GPUs would start N unrelated
+        # single-process runs instead of N ranks of one.
+        cpu=on_cpu,
+        mixed_precision=resolve_mixed_precision(args.mixed_precision, on_cpu),
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         step_scheduler_with_optimizer=False,  # the scheduler counts optimizer updates; see the loop
+        # Batches are copied to the GPU without making the host wait for the step in flight.
+        dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu),
         log_with=None if args.report_to == "none" else args.report_to,
         project_config=ProjectConfiguration(project_dir=str(args.output_dir), save_on_each_node=args.save_on_each_node),
     )
-    setup_logging()
-    is_writer = accelerator.is_local_main_process if args.save_on_each_node else accelerator.is_main_process
+    args.mixed_precision = accelerator.mixed_precision
+    args.cpu_threads = set_cpu_threads(args.cpu_threads) if on_cpu else torch.get_num_threads()
+    return accelerator
 
+
+def build_optimizer(model, args, device) -> torch.optim.Optimizer:
+    """AdamW without weight decay on biases and LayerNorm weights (the 1-D parameters).
+
+    fused: one kernel for all tensors instead of a loop over ~100; on 2 CPU cores MiniLM's update drops from
+    ~190 to ~40 ms per step.
+    """
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in parameters if p.ndim >= 2], "weight_decay": args.weight_decay},
+        {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=args.learning_rate, fused=device.type in ("cpu", "cuda"))
+
+
+def main(args):
+    accelerator = build_accelerator(args)
+    setup_logging()
     check_output_dir(args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
     resume_path = (
         resolve_checkpoint(args.resume_from_checkpoint, args.output_dir) if args.resume_from_checkpoint else None
@@ -95,40 +99,25 @@ def main(args):
     args.model_name_or_path = args.model_name_or_path or default_model_path()
     with main_process_first(accelerator):
         raw = load_raw_splits(args)
-        args.text_column, args.text_pair_column, args.label_column = detect_columns(
-            raw["train"].column_names, args.text_column, args.text_pair_column, args.label_column
-        )
-        label_names = label_names_of(raw["train"], args.label_column)
+        columns = detect_columns(raw["train"].column_names, args.text_column, args.text_pair_column, args.label_column)
+        args.text_column, args.text_pair_column, args.label_column = columns
+        task = detect_task(raw["train"], args.label_column)
         tokenizer = load_tokenizer(args.model_name_or_path)
         args.max_length = resolve_max_length(args.max_length, tokenizer)
-        label2id = {name: i for i, name in enumerate(label_names)} if label_names is not None else None
-        columns = (args.text_column, args.text_pair_column, args.label_column, args.max_length, label2id)
-        train_dataset = tokenize(raw["train"], tokenizer, *columns)
-        eval_dataset = tokenize(raw["validation"], tokenizer, *columns)
-        model = load_model(args.model_name_or_path, label_names, regression=label_names is None)
-    is_regression = label_names is None
-    args.metric_for_best_model = check_best_metric(args.metric_for_best_model, is_regression)
+        train_dataset = tokenize(raw["train"], tokenizer, columns, args.max_length, task)
+        eval_dataset = tokenize(raw["validation"], tokenizer, columns, args.max_length, task)
+        model = load_model(args.model_name_or_path, task)
+    args.metric_for_best_model = check_best_metric(args.metric_for_best_model, task)
     if args.greater_is_better is None:
         args.greater_is_better = greater_is_better(args.metric_for_best_model)
     num_parameters = model.num_parameters()  # before prepare() wraps (and perhaps shards) it
-    # No weight decay on biases and LayerNorm weights (the 1-D parameters). fused: one kernel for all tensors
-    # instead of a loop over ~100; on 2 CPU cores MiniLM's update drops from ~190 to ~40 ms per step.
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in parameters if p.ndim >= 2], "weight_decay": args.weight_decay},
-        {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, fused=accelerator.device.type in ("cpu", "cuda"))
+
+    optimizer = build_optimizer(model, args, accelerator.device)
     pad_to_multiple_of = 8 if accelerator.device.type == "cuda" else None  # tensor cores want multiples of 8
     train_dataloader = build_train_dataloader(
-        train_dataset,
-        tokenizer,
-        args.per_device_train_batch_size,
-        accelerator.num_processes,
-        args.seed,
-        args.group_by_length,
-        pad_to_multiple_of,
-    )
+        train_dataset, tokenizer, args.per_device_train_batch_size, accelerator.num_processes, args.seed,
+        args.group_by_length, pad_to_multiple_of,
+    )  # fmt: skip
     eval_dataloader = build_eval_dataloader(
         eval_dataset, tokenizer, args.per_device_eval_batch_size, pad_to_multiple_of
     )
@@ -150,40 +139,15 @@ def main(args):
     )
     accelerator.register_for_checkpointing(lr_scheduler)  # stepped once per update by the loop, saved with the state
 
-    state = {
-        "global_step": 0,
-        "epoch": 0,
-        "batches_in_epoch": 0,
-        "best_metric": None,
-        "best_checkpoint": None,
-        "evals_without_improvement": 0,
-        "num_processes": accelerator.num_processes,
-    }
-    if resume_path:
-        state = load_checkpoint(accelerator, resume_path, args)
-        if state["batches_in_epoch"] >= len(train_dataloader):
-            state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
-    if is_writer and args.overwrite_output_dir:
-        remove_checkpoints(args.output_dir)
-    if accelerator.is_main_process:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        write_json(args.output_dir / "args.json", vars(args))
-        # A resumed run drops what the interrupted one logged after its checkpoint; a new run starts afresh.
-        keep_records_up_to(args.output_dir / "metrics.jsonl", state["global_step"])
-    hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in vars(args).items()}
-    project = (
-        "tensorboard" if args.report_to == "tensorboard" else args.output_dir.name
-    )  # logs in output_dir/tensorboard
-    accelerator.init_trackers(project, config=hparams)
-
+    state = start_or_resume(args, accelerator, resume_path, len(train_dataloader))
     total_batch_size = args.per_device_train_batch_size * accelerator.num_processes * accumulation
-    task = "regression" if is_regression else f"classification into {len(label_names)} classes"
     logger.info("***** Running training *****")
-    logger.info(f"  Model = {args.model_name_or_path} ({num_parameters / 1e6:.1f}M parameters), {task}")
+    logger.info(f"  Model = {args.model_name_or_path} ({num_parameters / 1e6:.1f}M parameters), {task.describe()}")
     logger.info(f"  Num examples = {len(train_dataset)} train, {len(eval_dataset)} validation")
     logger.info(
         f"  Processes = {accelerator.num_processes} on {accelerator.device.type} "
-        f"({accelerator.distributed_type.value}), mixed precision = {accelerator.mixed_precision}"
+        f"({accelerator.distributed_type.value}), {args.cpu_threads} CPU threads per process, "
+        f"mixed precision = {accelerator.mixed_precision}"
     )
     logger.info(f"  Num epochs = {num_epochs}")
     logger.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size}")
@@ -195,20 +159,84 @@ def main(args):
     )
     logger.info(f"  Outputs = {args.output_dir.resolve()}")
 
+    # Signals are turned into a checkpoint from here on; a signal during the final save waits for it to end.
+    with StopSignals() as stop_signals:
+        eval_metrics, throughput = train_loop(
+            args, accelerator, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader, task, state,
+            max_train_steps, num_epochs, stop_signals,
+        )  # fmt: skip
+        results = {
+            **eval_metrics,
+            **throughput,
+            "num_processes": accelerator.num_processes,
+            "cpu_threads_per_process": args.cpu_threads,
+            "total_train_batch_size": total_batch_size,
+            "global_step": state["global_step"],
+        }
+        save_final(args, accelerator, model, tokenizer, results)
+    summary = ", ".join(f"{k} = {v:.4f}" for k, v in eval_metrics.items() if k != "eval_samples")
+    logger.info(f"Done in {results['train_runtime']:.0f}s: {summary}")
+    logger.info(f"Model, all_results.json, metrics.jsonl and training_curves.png are in {args.output_dir.resolve()}")
+    return results
+
+
+def start_or_resume(args, accelerator, resume_path, batches_per_epoch: int) -> dict:
+    """The loop's position (restored from a checkpoint, or a fresh start), with the run's files set up."""
+    state = {
+        "global_step": 0,
+        "epoch": 0,
+        "batches_in_epoch": 0,
+        "best_metric": None,
+        "best_checkpoint": None,
+        "evals_without_improvement": 0,
+        "num_processes": accelerator.num_processes,
+    }
+    if resume_path:
+        state = load_checkpoint(accelerator, resume_path, args)
+        if state["batches_in_epoch"] >= batches_per_epoch:
+            state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
+    is_writer = accelerator.is_local_main_process if args.save_on_each_node else accelerator.is_main_process
+    if is_writer and args.overwrite_output_dir:
+        remove_checkpoints(args.output_dir)
+    if accelerator.is_main_process:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        write_json(args.output_dir / "args.json", vars(args))
+        # A resumed run drops what the interrupted one logged after its checkpoint; a new run starts afresh.
+        keep_records_up_to(args.output_dir / "metrics.jsonl", state["global_step"])
+    hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in vars(args).items()}
+    # TensorBoard logs go to output_dir/tensorboard; other trackers name the run after the folder.
+    accelerator.init_trackers("tensorboard" if args.report_to == "tensorboard" else args.output_dir.name, hparams)
+    return state
+
+
+def train_loop(
+    args, accelerator, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader, task, state,
+    max_train_steps, num_epochs, stop_signals,
+) -> tuple[dict, dict]:  # fmt: skip
+    """Train from `state` to the last step (or an early stop); returns the final metrics and the throughput."""
+    is_writer = accelerator.is_local_main_process if args.save_on_each_node else accelerator.is_main_process
+
     def log(record: dict):
         accelerator.log(record, step=state["global_step"])
         if accelerator.is_main_process:
             append_jsonl(args.output_dir / "metrics.jsonl", {"step": state["global_step"], **record})
 
+    def check_finite():
+        if window.nonfinite_losses(accelerator):
+            raise UserError(
+                f"the loss became NaN or infinite by step {state['global_step']} (epoch {state['epoch']}); nothing "
+                "was saved since. Lower --learning_rate or keep --max_grad_norm, then --resume_from_checkpoint "
+                f"latest (newest checkpoint: {newest_checkpoint(args.output_dir) or 'none'})"
+            )
+
     def checkpoint():
+        check_finite()
         with window.paused():  # throughput counts training time only
             path = save_checkpoint(
                 accelerator, args.output_dir, {**state, "args": vars(args)}, is_writer, args.save_total_limit
             )
         logger.info(f"Saved checkpoint {path}")
-        return path
 
-    stop_request = StopRequest()
     progress = tqdm(
         total=max_train_steps,
         initial=state["global_step"],
@@ -216,6 +244,7 @@ def main(args):
         disable=not accelerator.is_local_main_process,
     )
     window = ThroughputWindow(accelerator.device)
+    vote = StopVote(accelerator)
     start_time = time.perf_counter()
     eval_metrics, stop_reason = {}, None
     # A run resumed from its last step has nothing left to train.
@@ -224,16 +253,15 @@ def main(args):
         train_dataloader.set_epoch(epoch)  # re-seeds the shuffle; before skip_first_batches for exact resume
         skip = state["batches_in_epoch"] if epoch == state["epoch"] else 0
         batches = skip_first_batches(train_dataloader, skip) if skip else train_dataloader
-        finite = torch.ones((), dtype=torch.bool, device=accelerator.device)
         for batch_in_epoch, batch in enumerate(batches, start=skip + 1):
+            labels = batch.pop("labels")
             with accelerator.accumulate(model):
-                loss = model(**batch).loss
+                loss = task.loss(model(**batch).logits, labels)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and args.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
-            finite &= torch.isfinite(loss.detach())
             window.add(loss, batch)
             if not accelerator.sync_gradients:
                 continue
@@ -242,16 +270,9 @@ def main(args):
             step = state["global_step"]
             progress.update(1)
 
-            # One collective per update: every rank learns whether any rank diverged or was asked to stop.
+            # Every rank learns whether any rank was signalled or ran out of time, so all stop at the same step.
             out_of_time = args.max_time is not None and time.perf_counter() - start_time > args.max_time * 60
-            flags = torch.tensor([not finite.item(), stop_request.signal or 0, out_of_time], device=accelerator.device)
-            diverged, signum, out_of_time = accelerator.reduce(flags, reduction="max").tolist()
-            if diverged:
-                raise UserError(
-                    f"the loss became NaN or infinite at step {step} (epoch {epoch}); nothing was saved from that "
-                    f"step. Lower --learning_rate or keep --max_grad_norm, then --resume_from_checkpoint latest "
-                    f"(newest checkpoint: {newest_checkpoint(args.output_dir) or 'none'})"
-                )
+            signum, out_of_time = vote.agree([stop_signals.requested(), out_of_time])
 
             end_of_epoch = batch_in_epoch == len(train_dataloader)
             done = step >= max_train_steps
@@ -261,6 +282,7 @@ def main(args):
                     **window.flush(accelerator),
                 }
                 record["learning_rate"] = lr_scheduler.get_last_lr()[0]
+                check_finite()
                 log(record)
                 progress.set_postfix(
                     loss=f"{record['loss']:.4f}",
@@ -271,8 +293,9 @@ def main(args):
 
             saved = False
             if (args.eval_steps and step % args.eval_steps == 0) or end_of_epoch or done:
+                check_finite()
                 with window.paused():  # throughput counts training time only
-                    eval_metrics, _ = evaluate(model, eval_dataloader, accelerator, is_regression)
+                    eval_metrics, _ = evaluate(model, eval_dataloader, accelerator, task)
                 log(eval_metrics)
                 logger.info(f"step {step}: " + ", ".join(f"{k} = {v:.4f}" for k, v in eval_metrics.items()))
                 value, best = eval_metrics[f"eval_{args.metric_for_best_model}"], state["best_metric"]
@@ -295,60 +318,51 @@ def main(args):
             if not saved and (periodic or signum or out_of_time):
                 checkpoint()
             if signum or out_of_time:
-                why = (
-                    f"received {signal.Signals(int(signum)).name}" if signum else f"--max_time {args.max_time} reached"
-                )
+                why = f"received {signal.Signals(signum).name}" if signum else f"--max_time {args.max_time} reached"
                 logger.info(
                     f"Stopped at step {step} ({why}). To continue, run the same command with "
                     "--resume_from_checkpoint latest"
                 )
                 accelerator.end_training()
-                raise SystemExit(128 + int(signum) if signum else 0)
+                raise SystemExit(128 + signum if signum else 0)
             if stop_reason or done:
                 break
         if stop_reason or state["global_step"] >= max_train_steps:
             break
     progress.close()
     window.flush(accelerator)  # an early stop can leave rows since the last log out of the totals
+    check_finite()
     train_runtime = time.perf_counter() - start_time
     if not eval_metrics:  # resumed from the last step: nothing left to train, but the results need metrics
-        eval_metrics, _ = evaluate(model, eval_dataloader, accelerator, is_regression)
+        eval_metrics, _ = evaluate(model, eval_dataloader, accelerator, task)
     if stop_reason:
         logger.info(f"Early stopping at step {state['global_step']}: {stop_reason}")
-
     if args.load_best_model_at_end and state["best_checkpoint"]:
         accelerator.load_state(state["best_checkpoint"])
         eval_metrics = state["best_metrics"]
         best = f"{args.metric_for_best_model} = {state['best_metric']:.4f}"
         logger.info(f"Loaded the best model ({best}) from {state['best_checkpoint']}")
+    totals = window.totals
+    return eval_metrics, {
+        "train_runtime": train_runtime,
+        "train_samples_per_second": totals["samples"] / train_runtime,
+        "train_tokens_per_second": totals["tokens"] / train_runtime,
+        "train_padding_fraction": 1 - totals["tokens"] / max(1, totals["padded_tokens"]),
+    }
 
-    # Save: the full state dict (gathered under FSDP/DeepSpeed) without DDP's `module.` prefix.
+
+def save_final(args, accelerator, model, tokenizer, results: dict):
+    """The model (full state dict, gathered under FSDP/DeepSpeed, no DDP `module.` prefix), tokenizer and results."""
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
     accelerator.unwrap_model(model).save_pretrained(
-        args.output_dir,
-        is_main_process=accelerator.is_main_process,
-        state_dict=state_dict,
+        args.output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict
     )
-    results = {
-        **eval_metrics,
-        "train_runtime": train_runtime,
-        "train_samples_per_second": window.totals["samples"] / train_runtime,
-        "train_tokens_per_second": window.totals["tokens"] / train_runtime,
-        "train_padding_fraction": 1 - window.totals["tokens"] / max(1, window.totals["padded_tokens"]),
-        "num_processes": accelerator.num_processes,
-        "total_train_batch_size": total_batch_size,
-        "global_step": state["global_step"],
-    }
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         write_json(args.output_dir / "all_results.json", results)
         plot_training_curves(read_jsonl(args.output_dir / "metrics.jsonl"), args.output_dir / "training_curves.png")
     accelerator.end_training()
-    summary = ", ".join(f"{k} = {v:.4f}" for k, v in eval_metrics.items() if k != "eval_samples")
-    logger.info(f"Done in {train_runtime:.0f}s: {summary}")
-    logger.info(f"Model, all_results.json, metrics.jsonl and training_curves.png are in {args.output_dir.resolve()}")
-    return results
 
 
 if __name__ == "__main__":

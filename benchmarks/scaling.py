@@ -46,12 +46,14 @@ def gather_worker(validation_file: Path, repeats: int):
     from src.data import INDEX_COLUMN, build_eval_dataloader, load_file, tokenize
     from src.evaluation import evaluate
     from src.model import default_model_path, load_model, load_tokenizer
+    from src.task import SINGLE_LABEL, Task
 
     accelerator = Accelerator(cpu=True)
     tokenizer = load_tokenizer(default_model_path())
-    dataset = tokenize(load_file(validation_file), tokenizer, "sentence", None, "label", 128, {"0": 0, "1": 1})
+    task = Task(SINGLE_LABEL, ("0", "1"))
+    dataset = tokenize(load_file(validation_file), tokenizer, ("sentence", None, "label"), 128, task)
     loader = accelerator.prepare(build_eval_dataloader(dataset, tokenizer, 64))
-    model = accelerator.prepare_model(load_model(default_model_path(), ["0", "1"]), evaluation_mode=True)
+    model = accelerator.prepare_model(load_model(default_model_path(), task), evaluation_mode=True)
 
     def gathers_only():
         for batch in loader:
@@ -61,10 +63,10 @@ def gather_worker(validation_file: Path, repeats: int):
             accelerator.gather_for_metrics(values)
 
     timings = {"evaluation": [], "gathers": []}
-    evaluate(model, loader, accelerator, is_regression=False)  # warm-up: metric modules, allocator
+    evaluate(model, loader, accelerator, task)  # warm-up: metric modules, allocator
     for _ in range(repeats):
         for name, work in (
-            ("evaluation", lambda: evaluate(model, loader, accelerator, False)),
+            ("evaluation", lambda: evaluate(model, loader, accelerator, task)),
             ("gathers", gathers_only),
         ):
             accelerator.wait_for_everyone()

@@ -125,7 +125,16 @@ def build_train_parser() -> ArgumentParser:
         "--max_grad_norm", type=_non_negative_float, default=1.0, help="Gradient clipping; 0 turns it off."
     )
     train.add_argument(
-        "--mixed_precision", choices=PRECISIONS, help="Override the precision chosen in `accelerate config`."
+        "--mixed_precision",
+        choices=PRECISIONS,
+        help="Default: what `accelerate config` chose; without one, bf16 autocast on CPUs with fast bf16 (AMX), "
+        "else no (fp32).",
+    )
+    train.add_argument(
+        "--cpu_threads",
+        type=_positive_int,
+        help="Threads per process on a CPU run. Default: OMP_NUM_THREADS if you exported it, else the "
+        "machine's physical cores shared among its processes (launchers' OMP_NUM_THREADS=1 is ignored).",
     )
     train.add_argument("--seed", type=int, default=42, help="Seed for weights of the new head, data order and dropout.")
     train.add_argument(
@@ -209,7 +218,12 @@ def build_eval_parser() -> ArgumentParser:
     run = parser.add_argument_group("run")
     run.add_argument("--output_dir", type=Path, help="Where results go. Default: the model folder.")
     run.add_argument("--per_device_eval_batch_size", type=_positive_int, default=64, help="Batch size per process.")
-    run.add_argument("--mixed_precision", choices=PRECISIONS, help="Override the precision from `accelerate config`.")
+    run.add_argument(
+        "--mixed_precision",
+        choices=PRECISIONS,
+        help="Default: as train.py chooses (`accelerate config`, else bf16 on CPUs with fast bf16, else no).",
+    )
+    run.add_argument("--cpu_threads", type=_positive_int, help="Threads per process on a CPU run; as train.py.")
     return parser
 
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from datasets import ClassLabel, Dataset, DatasetDict, Value, load_dataset
+from datasets import ClassLabel, Dataset, DatasetDict, load_dataset
 from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorWithPadding
 
 from src.errors import UserError
+from src.task import Task
 
 # The `datasets` builder (and its options) for each local file type. GLUE-style TSVs are unquoted.
 FILE_BUILDERS = {
@@ -128,38 +129,13 @@ def detect_columns(
     return text_column, text_pair_column, label_column
 
 
-def label_names_of(dataset: Dataset, label_column: str) -> list[str] | None:
-    """Class names in id order, or None for regression (float labels)."""
-    feature = dataset.features[label_column]
-    if isinstance(feature, ClassLabel):
-        return list(feature.names)
-    if not isinstance(feature, Value):
-        raise UserError(f"label column {label_column!r} holds {feature}; labels must be numbers or strings")
-    values = dataset.unique(label_column)
-    if None in values:
-        raise UserError(f"label column {label_column!r} has empty values; fill or drop those rows")
-    if feature.dtype.startswith("float"):
-        return None
-    if feature.dtype.startswith(("int", "uint")):
-        return [str(v) for v in sorted(values)]
-    if feature.dtype in ("string", "large_string"):
-        return sorted(values)
-    raise UserError(f"label column {label_column!r} has type {feature.dtype}; use integers, strings or floats")
+def tokenize(dataset: Dataset, tokenizer, columns: tuple, max_length: int, task: Task) -> Dataset:
+    """Token ids, `labels` (in the form `task` trains on) and the row's position.
 
-
-def tokenize(
-    dataset: Dataset,
-    tokenizer,
-    text_column: str,
-    text_pair_column: str | None,
-    label_column: str | None,
-    max_length: int,
-    label2id: dict[str, int] | None,
-) -> Dataset:
-    """Token ids, `labels` (class ids, or floats when `label2id` is None) and the row's position.
-
-    Raises UserError for a label that `label2id` does not know, e.g. evaluating on a class the model never saw.
+    `columns` is (text, text pair or None, label or None). Raises UserError for a label the task does not
+    know, e.g. evaluating on a class the model never saw.
     """
+    text_column, text_pair_column, label_column = columns
     class_label = dataset.features[label_column] if label_column else None
     class_names = class_label.names if isinstance(class_label, ClassLabel) else None
     if class_names is not None and -1 in dataset.unique(label_column):
@@ -176,10 +152,11 @@ def tokenize(
         if label_column is None:
             return encoded
         raw = rows[label_column]
-        if label2id is None:
+        if task.is_regression:
             encoded["labels"] = [float(v) for v in raw]
             return encoded
         names = [class_names[v] if class_names else str(v) for v in raw]
+        label2id = task.label2id
         unknown = sorted({n for n in names if n not in label2id})
         if unknown:
             raise UserError(

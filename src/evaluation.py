@@ -1,13 +1,13 @@
 """Distributed evaluation: every example counted exactly once, results returned in row order."""
 
 import torch
-import torch.nn.functional as F
 
 from src.data import INDEX_COLUMN
 from src.metrics import compute_metrics
+from src.task import Task
 
 
-def evaluate(model, dataloader, accelerator, is_regression: bool) -> tuple[dict, dict]:
+def evaluate(model, dataloader, accelerator, task: Task) -> tuple[dict, dict]:
     """(metrics prefixed 'eval_', per-example columns) over the whole dataset, on any number of processes.
 
     The distributed sampler pads the last batches with repeated examples so that every rank gets the same
@@ -20,16 +20,12 @@ def evaluate(model, dataloader, accelerator, is_regression: bool) -> tuple[dict,
         index = batch.pop(INDEX_COLUMN)
         labels = batch.pop("labels", None)
         with torch.no_grad():
-            logits = model(**batch).logits.float()
-        predictions = logits.squeeze(-1) if is_regression else logits.argmax(dim=-1)
-        values = {"index": index, "prediction": predictions}
+            logits = model(**batch).logits
+        values = {"index": index, "prediction": task.predictions(logits)}
         if labels is not None:
             values["label"] = labels
-            # Per-example losses: the model's batch mean would weigh the padding repeats in.
-            if is_regression:
-                values["loss"] = F.mse_loss(predictions, labels.float(), reduction="none")
-            else:
-                values["loss"] = F.cross_entropy(logits, labels, reduction="none")
+            # Per-example losses: the batch mean would weigh the padding repeats in.
+            values["loss"] = task.loss(logits, labels, reduction="none")
         for key, value in accelerator.gather_for_metrics(values).items():
             gathered[key].append(value.cpu())
     model.train()
@@ -43,9 +39,6 @@ def evaluate(model, dataloader, accelerator, is_regression: bool) -> tuple[dict,
     metrics = {"eval_samples": len(order)}
     if "label" in columns:
         metrics["eval_loss"] = columns["loss"].mean().item()
-        num_labels = 1 if is_regression else logits.shape[-1]
-        scores = compute_metrics(
-            columns["prediction"].tolist(), columns["label"].tolist(), is_regression, num_labels=num_labels
-        )
+        scores = compute_metrics(columns["prediction"].tolist(), columns["label"].tolist(), task)
         metrics.update({f"eval_{name}": value for name, value in scores.items()})
     return metrics, {key: columns[key].tolist() for key in ("index", "label", "prediction") if key in columns}

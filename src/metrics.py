@@ -11,6 +11,7 @@ from functools import cache
 from pathlib import Path
 
 from src.errors import UserError
+from src.task import Task
 
 MODULES = Path(__file__).parent / "metric_modules"
 CLASSIFICATION_METRICS = ("accuracy", "f1", "matthews_correlation")
@@ -18,21 +19,24 @@ REGRESSION_METRICS = ("pearsonr", "spearmanr", "mse")
 LOWER_IS_BETTER = ("mse", "loss")
 
 
-def main_metric(is_regression: bool) -> str:
-    return "mse" if is_regression else "accuracy"
+def main_metric(task: Task) -> str:
+    return "mse" if task.is_regression else "accuracy"
 
 
-def check_best_metric(name: str | None, is_regression: bool) -> str:
+def check_best_metric(name: str | None, task: Task) -> str:
     """--metric_for_best_model, defaulted and checked against what evaluation reports for this task."""
     if name is None:
-        return main_metric(is_regression)
+        return main_metric(task)
     known = (
-        ["pearson", "spearmanr", "mse", "loss"] if is_regression else ["accuracy", "f1", "matthews_correlation", "loss"]
+        ["pearson", "spearmanr", "mse", "loss"]
+        if task.is_regression
+        else ["accuracy", "f1", "matthews_correlation", "loss"]
     )
     name = name.removeprefix("eval_")
     if name not in known:
-        task = "regression" if is_regression else "classification"
-        raise UserError(f"--metric_for_best_model {name!r} is not reported for {task}; use one of {', '.join(known)}")
+        raise UserError(
+            f"--metric_for_best_model {name!r} is not reported for {task.describe()}; use one of {', '.join(known)}"
+        )
     return name
 
 
@@ -60,10 +64,10 @@ def load_metric(name: str):
     return _evaluate_library().load(str(MODULES / f"{name}.py"), keep_in_memory=True)
 
 
-def compute_metrics(predictions: list, references: list, is_regression: bool, num_labels: int = 2) -> dict:
+def compute_metrics(predictions: list, references: list, task: Task) -> dict:
     """Unprefixed metric values, e.g. {'accuracy': 0.9, 'f1': 0.88, 'matthews_correlation': 0.8}."""
     results = {}
-    if is_regression:
+    if task.is_regression:
         with warnings.catch_warnings():  # SciPy warns about constant input; the NaN is replaced below
             warnings.simplefilter("ignore")
             for name in REGRESSION_METRICS:
@@ -71,6 +75,6 @@ def compute_metrics(predictions: list, references: list, is_regression: bool, nu
         # A constant prediction has no correlation: report 0 rather than NaN so "best model" stays comparable.
         return {k: 0.0 if math.isnan(v) else v for k, v in results.items()}
     for name in CLASSIFICATION_METRICS:
-        options = {"average": "binary" if num_labels == 2 else "macro"} if name == "f1" else {}
+        options = {"average": "binary" if task.num_labels == 2 else "macro"} if name == "f1" else {}
         results.update(load_metric(name).compute(predictions=predictions, references=references, **options))
     return results

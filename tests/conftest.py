@@ -129,6 +129,9 @@ def train_args(model: Path, train: Path, dev: Path, output_dir: Path, *extra: st
         "none",
         "--seed",
         "7",
+        # fp32 everywhere: the default picks bf16 on CPUs with AMX, and the tests compare weights across runs.
+        "--mixed_precision",
+        "no",
         *extra,
     ]
 

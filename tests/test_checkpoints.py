@@ -176,7 +176,7 @@ def test_partial_save_is_not_a_checkpoint(tiny_model, data, tmp_path):
 
 def test_diverging_loss_stops_with_the_step(tiny_model, data, tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(train.UserError, match=r"NaN or infinite at step \d+"):
+    with pytest.raises(train.UserError, match=r"NaN or infinite by step \d+"):
         run_main(*train_args(tiny_model, *data, out, "--learning_rate", "1e30", "--max_grad_norm", "0"))
 
 

@@ -8,12 +8,12 @@ from src.data import (
     INDEX_COLUMN,
     LengthGroupedSampler,
     detect_columns,
-    label_names_of,
     load_file,
     tokenize,  # fmt: skip
 )
 from src.demo_data import make_demo_splits
 from src.errors import UserError
+from src.task import SINGLE_LABEL, Task, detect_task
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".tsv", ".json", ".jsonl", ".parquet"])
@@ -63,12 +63,12 @@ def test_missing_columns_list_what_exists():
 def test_label_kinds(tmp_path):
     def names(values):
         rows = [{"sentence": "x", "label": v} for v in values]
-        return label_names_of(load_file(write_rows(tmp_path / "d.jsonl", rows)), "label")
+        return detect_task(load_file(write_rows(tmp_path / "d.jsonl", rows)), "label")
 
-    assert names(["pos", "neg", "pos"]) == ["neg", "pos"]
-    assert names([10, 2, 2]) == ["2", "10"]
-    assert names([0.5, 1.25]) is None  # regression
-    assert label_names_of(make_demo_splits(10, 10)["train"], "label") == ["negative", "positive"]
+    assert names(["pos", "neg", "pos"]) == Task(SINGLE_LABEL, ("neg", "pos"))
+    assert names([10, 2, 2]) == Task(SINGLE_LABEL, ("2", "10"))
+    assert names([0.5, 1.25]).is_regression
+    assert detect_task(make_demo_splits(10, 10)["train"], "label").label_names == ("negative", "positive")
     with pytest.raises(UserError, match="empty values"):
         names(["pos", None])
 
@@ -76,11 +76,12 @@ def test_label_kinds(tmp_path):
 def test_tokenize_maps_labels_and_refuses_unknown_ones(tmp_path, tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     data = load_file(write_rows(tmp_path / "d.csv", sentiment_rows(6)))
-    encoded = tokenize(data, tokenizer, "sentence", None, "label", 16, {"negative": 0, "positive": 1})
+    columns = ("sentence", None, "label")
+    encoded = tokenize(data, tokenizer, columns, 16, Task(SINGLE_LABEL, ("negative", "positive")))
     assert encoded[INDEX_COLUMN] == list(range(6))
     assert encoded["labels"] == [{"negative": 0, "positive": 1}[r["label"]] for r in sentiment_rows(6)]
     with pytest.raises(UserError, match=r"label\(s\) positive in column 'label' are not among the model's labels"):
-        tokenize(data, tokenizer, "sentence", None, "label", 16, {"negative": 0, "neutral": 1})
+        tokenize(data, tokenizer, columns, 16, Task(SINGLE_LABEL, ("negative", "neutral")))
 
 
 @pytest.mark.parametrize("group_by_length", [True, False])

@@ -5,27 +5,30 @@ from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import f1_score, matthews_corrcoef
 
 from src.metrics import compute_metrics, greater_is_better, main_metric
+from src.task import REGRESSION, SINGLE_LABEL, Task
+
+BINARY, THREE_CLASSES, SCORES = Task(SINGLE_LABEL, ("a", "b")), Task(SINGLE_LABEL, ("a", "b", "c")), Task(REGRESSION)
 
 
 def test_classification_metrics():
     predictions, references = [0, 1, 1, 0, 1, 2], [0, 1, 0, 0, 1, 2]
-    binary = compute_metrics(predictions[:5], references[:5], is_regression=False)
+    binary = compute_metrics(predictions[:5], references[:5], BINARY)
     assert binary["accuracy"] == pytest.approx(0.8)
     assert binary["f1"] == pytest.approx(f1_score(references[:5], predictions[:5]))
     assert binary["matthews_correlation"] == pytest.approx(matthews_corrcoef(references[:5], predictions[:5]))
-    multi = compute_metrics(predictions, references, is_regression=False, num_labels=3)
+    multi = compute_metrics(predictions, references, THREE_CLASSES)
     assert multi["f1"] == pytest.approx(f1_score(references, predictions, average="macro"))
 
 
 def test_regression_metrics():
     predictions, references = [0.1, 0.9, 2.2, 3.1], [0.0, 1.0, 2.0, 3.0]
-    scores = compute_metrics(predictions, references, is_regression=True)
+    scores = compute_metrics(predictions, references, SCORES)
     assert scores["pearson"] == pytest.approx(pearsonr(references, predictions)[0])
     assert scores["spearmanr"] == pytest.approx(spearmanr(references, predictions)[0])
     assert scores["mse"] == pytest.approx(sum((p - r) ** 2 for p, r in zip(predictions, references)) / 4, rel=1e-5)
-    assert compute_metrics([1.0, 1.0], [0.0, 2.0], is_regression=True)["pearson"] == 0.0
+    assert compute_metrics([1.0, 1.0], [0.0, 2.0], SCORES)["pearson"] == 0.0
 
 
 def test_best_model_defaults():
-    assert main_metric(False) == "accuracy" and main_metric(True) == "mse"
+    assert main_metric(BINARY) == "accuracy" and main_metric(SCORES) == "mse"
     assert greater_is_better("accuracy") and not greater_is_better("mse") and not greater_is_better("loss")

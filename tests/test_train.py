@@ -139,14 +139,16 @@ def test_demo_task_starts_at_chance_with_the_packaged_model(tmp_path):
     from src.demo_data import make_demo_splits
     from src.evaluation import evaluate
     from src.model import default_model_path, load_model, load_tokenizer
+    from src.task import SINGLE_LABEL, Task
 
     accelerator = Accelerator(cpu=True)
     tokenizer = load_tokenizer(default_model_path())
-    model = load_model(default_model_path(), ["negative", "positive"])
+    task = Task(SINGLE_LABEL, ("negative", "positive"))
+    model = load_model(default_model_path(), task)
     validation = make_demo_splits()["validation"]
-    dataset = tokenize(validation, tokenizer, "sentence", None, "label", 64, {"negative": 0, "positive": 1})
+    dataset = tokenize(validation, tokenizer, ("sentence", None, "label"), 64, task)
     loader = accelerator.prepare(build_eval_dataloader(dataset, tokenizer, 64))
-    metrics, _ = evaluate(accelerator.prepare_model(model, evaluation_mode=True), loader, accelerator, False)
+    metrics, _ = evaluate(accelerator.prepare_model(model, evaluation_mode=True), loader, accelerator, task)
     assert 0.4 < metrics["eval_accuracy"] < 0.6
 
 
@@ -173,4 +175,4 @@ def test_a_line_cut_short_by_a_kill_is_skipped(tmp_path):
 
 def test_evaluate_ignores_a_damaged_args_json(tmp_path):
     (tmp_path / "args.json").write_text("{not json")
-    assert evaluate_script.remembered_columns(str(tmp_path), ["sentence", "label"]) == {}
+    assert evaluate_script.training_settings(str(tmp_path)) == {}
