@@ -8,7 +8,6 @@ One script from a laptop CPU to many GPUs on many machines:
 """
 
 import math
-import signal
 import time
 
 import torch
@@ -196,8 +195,8 @@ def start_or_resume(args, accelerator, resume_path, batches_per_epoch: int) -> d
         if state["batches_in_epoch"] >= batches_per_epoch:
             state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
     is_writer = accelerator.is_local_main_process if args.save_on_each_node else accelerator.is_main_process
-    if is_writer and args.overwrite_output_dir:
-        remove_checkpoints(args.output_dir)
+    if is_writer:
+        remove_checkpoints(args.output_dir, only_incomplete=not args.overwrite_output_dir)
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         write_json(args.output_dir / "args.json", vars(args))
@@ -318,7 +317,7 @@ def train_loop(
             if not saved and (periodic or signum or out_of_time):
                 checkpoint()
             if signum or out_of_time:
-                why = f"received {signal.Signals(signum).name}" if signum else f"--max_time {args.max_time} reached"
+                why = stop_signals.describe(signum) if signum else f"--max_time {args.max_time} minutes reached"
                 logger.info(
                     f"Stopped at step {step} ({why}). To continue, run the same command with "
                     "--resume_from_checkpoint latest"

@@ -43,8 +43,9 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool):
         )
 
 
-def remove_checkpoints(output_dir: Path):
-    for path in Path(output_dir).glob(f"{PREFIX}*"):
+def remove_checkpoints(output_dir: Path, only_incomplete: bool = False):
+    """All checkpoints, or only the folders of saves cut short (by SIGKILL, SIGQUIT or a crash)."""
+    for path in Path(output_dir).glob(f"{PREFIX}*.incomplete" if only_incomplete else f"{PREFIX}*"):
         shutil.rmtree(path)
 
 

@@ -65,13 +65,9 @@ def threads_chosen_by_user() -> int | None:
 
 
 def set_cpu_threads(requested: int | None) -> int:
-    """Give this process its share of the machine's cores (or what the user chose), and return the count.
-
-    `requested` is --cpu_threads. The environment variable is set too, for libraries that read it later.
-    """
+    """Give this process its share of the machine's cores, or what the user chose (`requested` is --cpu_threads)."""
     threads = requested or threads_chosen_by_user() or max(1, physical_cores() // local_world_size())
     torch.set_num_threads(threads)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
     return threads
 
 
@@ -115,6 +111,7 @@ class StopSignals:
 
     def __init__(self):
         self.received = 0
+        self.orphaned = False
         # Only under a launcher: a plain `python train.py` whose shell exits (nohup, tmux) must keep running.
         self.launcher = os.getppid() if under_launcher() else None
 
@@ -132,8 +129,14 @@ class StopSignals:
     def requested(self) -> int:
         """The number of the first stop signal received, or 0."""
         if not self.received and self.launcher is not None and os.getppid() != self.launcher:
-            self.received = signal.SIGHUP
+            self.received, self.orphaned = signal.SIGHUP, True
         return self.received
+
+    def describe(self, signum: int) -> str:
+        """Why the run stops, for the log (`signum` may have come from another rank)."""
+        if signum == signal.SIGHUP and self.orphaned:
+            return "its launcher exited"
+        return f"received {signal.Signals(signum).name}"
 
 
 class StopVote:

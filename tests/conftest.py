@@ -19,12 +19,16 @@ CPU_CONFIG = REPO / "accelerate_configs" / "cpu.yaml"
 
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state():
-    """Each in-process main() starts from a clean Accelerate state, as a new process would."""
+    """Each in-process main() starts from a clean Accelerate state and thread count, as a new process would."""
+    import torch
+
+    threads = torch.get_num_threads()
     yield
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+    torch.set_num_threads(threads)
 
 
 def _vocabulary() -> list[str]:

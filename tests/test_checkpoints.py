@@ -1,20 +1,15 @@
-"""Checkpoints: exact resume after kill -9 and SIGTERM, rotation, best model, early stopping, refusals."""
+"""Checkpoints: rotation, best model, early stopping, refusals. Interrupted runs are in test_preemption.py."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import REPO, launch_command, load_script, sentiment_rows, train_args, write_rows
 from safetensors.torch import load_file
 
 train = load_script("train")
-
-# 3 epochs of 16 updates (8 on 2 ranks); a checkpoint every 5 updates never falls on an epoch boundary.
-RUN = ("--num_train_epochs", "3", "--per_device_train_batch_size", "4", "--checkpointing_steps", "5")
 
 
 @pytest.fixture(scope="module")
@@ -25,87 +20,12 @@ def data(tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tiny_model, data, tmp_path_factory):
-    """The reference run for each number of processes, made once for the kill and the SIGTERM test."""
-    runs = {}
-
-    def reference(num_processes):
-        if num_processes not in runs:
-            runs[num_processes] = tmp_path_factory.mktemp(f"reference-{num_processes}")
-            run(num_processes, train_args(tiny_model, *data, runs[num_processes], *RUN))
-        return runs[num_processes]
-
-    return reference
-
-
-def command(num_processes: int, args: list[str]) -> list[str]:
-    if num_processes == 1:
-        return [sys.executable, str(REPO / "train.py"), *args]
-    return launch_command("train.py", args, num_processes)
-
-
-def start(num_processes, args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(command(num_processes, args), cwd=REPO, env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-
-
-def wait_for(path, process, timeout=240):
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert process.poll() is None, f"the run ended before {path.name} appeared:\n{process.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, f"{path} did not appear"
-        time.sleep(0.005)
-
-
 def run(num_processes, args):
-    result = subprocess.run(command(num_processes, args), cwd=REPO, capture_output=True, text=True, timeout=300,
+    command = [sys.executable, str(REPO / "train.py")] if num_processes == 1 else launch_command("train.py", [], 2)
+    result = subprocess.run([*command, *args], cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return result
-
-
-def max_weight_difference(a, b):
-    first, second = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    return max((first[k] - second[k]).abs().max().item() for k in first)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("how,num_processes", [("kill -9", 1), ("kill -9", 2), ("SIGTERM", 2)])
-def test_interrupted_run_resumes_to_the_same_weights(tiny_model, data, uninterrupted, tmp_path, num_processes, how):
-    reference, interrupted = uninterrupted(num_processes), tmp_path / "interrupted"
-
-    args = train_args(tiny_model, *data, interrupted, *RUN)
-    process = start(num_processes, args)
-    wait_for(interrupted / "checkpoint-5", process)
-    if how == "kill -9":
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=60)
-    else:
-        asked = time.monotonic()
-        os.killpg(process.pid, signal.SIGTERM)
-        output, _ = process.communicate(timeout=120)
-        print(f"SIGTERM to exit: {time.monotonic() - asked:.2f}s")
-        assert process.returncode in (143, 1), output[-3000:]  # 1: the launcher's own status for a stopped rank
-        assert "--resume_from_checkpoint latest" in output
-    latest = max((p for p in interrupted.glob("checkpoint-*") if p.name[11:].isdigit()), key=lambda p: int(p.name[11:]))
-    position = json.loads((latest / "training_state.json").read_text())
-    assert 0 < position["batches_in_epoch"] < 16 // num_processes, "resume from the middle of an epoch"
-    assert not (interrupted / "all_results.json").exists()
-
-    run(num_processes, [*args, "--resume_from_checkpoint", "latest"])
-    difference = max_weight_difference(reference, interrupted)
-    print(f"{how}, {num_processes} process(es), resumed from {latest.name}: max weight difference {difference}")
-    assert difference == 0.0
-
-    def logged_steps(folder):
-        return [record["step"] for record in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())]
-
-    assert logged_steps(interrupted) == logged_steps(reference), "no records doubled by the resume"
-    resumed = json.loads((interrupted / "all_results.json").read_text())
-    assert resumed["global_step"] == 48 // num_processes
-    assert resumed["eval_accuracy"] == json.loads((reference / "all_results.json").read_text())["eval_accuracy"]
 
 
 def run_main(*argv):

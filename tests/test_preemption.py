@@ -1,0 +1,245 @@
+"""Interrupted runs, signalled the way schedulers and people really do it, resume to the same weights.
+
+SLURM and systemd signal every process of a job at once (launcher and ranks); Ctrl-C and `docker stop`
+reach only the launcher, which forwards the signal; torchrun starts each rank in a session of its own, so
+`os.killpg` on the launcher reaches nobody else. Every test here therefore signals explicit process ids
+(`signal_tree`) and checks that no process of the tree is left before it resumes in the same folder.
+"""
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import REPO, launch_command, load_script, sentiment_rows, train_args, write_rows
+from safetensors.torch import load_file
+
+train = load_script("train")
+
+# 3 epochs of 128 rows: 48 updates on 1 process (batch 8), 48 on 2 (4 rows each); no periodic checkpoints,
+# so a checkpoint can only come from the signal. One thread per rank: the same arithmetic on every path.
+RUN = ("--num_train_epochs", "3", "--per_device_train_batch_size", "4", "--logging_steps", "1", "--cpu_threads", "1")
+STEPS = 48
+# What the shell sees: train.py's processes exit 128 + the signal number after saving; torchrun and a
+# multi-process `accelerate launch` report 1 for that (a worker exited non-zero, or they were signalled too).
+LAUNCHER_STATUS = 1
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    return write_rows(folder / "train.csv", sentiment_rows(128, seed=1)), write_rows(
+        folder / "dev.csv", sentiment_rows(20, seed=2)
+    )
+
+
+def run_args(model, data, output_dir, num_processes, *extra):
+    batch = "8" if num_processes == 1 else "4"
+    return train_args(model, *data, output_dir, *RUN, "--per_device_train_batch_size", batch, *extra)
+
+
+def command(launcher: str, args: list[str]) -> list[str]:
+    if launcher == "python":
+        return [sys.executable, str(REPO / "train.py"), *args]
+    if launcher == "torchrun":
+        port = str(random.randint(20000, 40000))
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+                str(REPO / "train.py"), *args]  # fmt: skip
+    return launch_command("train.py", args, 2)  # accelerate launch with accelerate_configs/cpu.yaml
+
+
+def start(launcher: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen(command(launcher, args), cwd=REPO, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def process_tree(process: subprocess.Popen, ranks: int) -> list[psutil.Process]:
+    """The launcher and its descendants, once all `ranks` training processes have started."""
+    launcher = psutil.Process(process.pid)
+    deadline = time.monotonic() + 120
+    while True:
+        children = launcher.children(recursive=True)
+        workers = [p for p in children if "train.py" in " ".join(p.cmdline())]
+        if len(workers) >= ranks or (ranks == 1 and "train.py" in " ".join(launcher.cmdline())):
+            return [launcher, *children]
+        assert process.poll() is None and time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.05)
+
+
+def signal_tree(tree: list[psutil.Process], signum: int, who: str = "all"):
+    """Send `signum` to every process of the tree at once ('all', as SLURM does), to the launcher only
+    ('launcher', as Ctrl-C or `docker stop`), or to the last rank only ('one rank')."""
+    targets = {"all": tree, "launcher": tree[:1], "one rank": tree[-1:]}[who]
+    for process in targets:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signum)
+
+
+def wait_until_gone(tree: list[psutil.Process], timeout: float = 90):
+    """Every process of the tree has exited (none is left to write into the folder a resume will use)."""
+    gone, alive = psutil.wait_procs(tree, timeout=timeout)
+    assert not alive, f"still running after {timeout}s: {[p.pid for p in alive]}"
+
+
+def logged_steps(folder) -> list[int]:
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def wait_for_step(folder, process, step: int):
+    deadline = time.monotonic() + 120
+    while max(logged_steps(folder), default=0) < step:
+        assert process.poll() is None, f"the run ended before step {step}:\n{process.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"step {step} never came"
+        time.sleep(0.002)
+    return max(logged_steps(folder))
+
+
+def checkpoints(folder) -> list[str]:
+    return sorted(p.name for p in folder.glob("checkpoint-*"))
+
+
+def weights(folder):
+    return load_file(folder / "model.safetensors")
+
+
+def assert_same_weights(a, b):
+    first, second = weights(a), weights(b)
+    assert first.keys() == second.keys()
+    differing = [k for k in first if not first[k].equal(second[k])]
+    assert not differing, f"weights differ from the uninterrupted run's in {differing[:3]}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model, data, tmp_path_factory):
+    """The reference run for 1 and for 2 processes, made once and shared."""
+    runs = {}
+
+    def reference(num_processes):
+        if num_processes not in runs:
+            folder = tmp_path_factory.mktemp(f"reference-{num_processes}")
+            launcher = "python" if num_processes == 1 else "accelerate"
+            result = subprocess.run(command(launcher, run_args(tiny_model, data, folder, num_processes)), cwd=REPO,
+                                    capture_output=True, text=True, timeout=300)  # fmt: skip
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            runs[num_processes] = folder
+        return runs[num_processes]
+
+    return reference
+
+
+# What examples/slurm_requeue.sbatch exports so that launchers pass SIGUSR1 on instead of dying of it.
+SLURM_LAUNCHER_ENV = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
+CASES = [
+    # launcher, who is signalled, signal, the launcher's exit status, extra environment
+    pytest.param("accelerate", "all", signal.SIGTERM, LAUNCHER_STATUS, {}, id="scancel: SIGTERM to every process"),
+    pytest.param("torchrun", "all", signal.SIGINT, LAUNCHER_STATUS, {}, id="torchrun, SIGINT to every process"),
+    pytest.param("accelerate", "launcher", signal.SIGINT, LAUNCHER_STATUS, {}, id="Ctrl-C at the launcher"),
+    pytest.param("torchrun", "launcher", signal.SIGTERM, LAUNCHER_STATUS, {}, id="docker stop: SIGTERM to torchrun"),
+    pytest.param("accelerate", "all", signal.SIGUSR1, LAUNCHER_STATUS, SLURM_LAUNCHER_ENV, id="SLURM's USR1 warning"),
+    pytest.param("accelerate", "one rank", signal.SIGTERM, LAUNCHER_STATUS, {}, id="SIGTERM to one rank only"),
+    pytest.param("python", "all", signal.SIGTERM, 128 + signal.SIGTERM, {}, id="python train.py, SIGTERM"),
+    pytest.param("torchrun", "launcher", signal.SIGKILL, None, {}, id="launcher killed: its ranks stop"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher,who,signum,status,env", CASES)
+def test_a_signal_saves_the_current_step_and_the_run_resumes_exactly(
+    tiny_model, data, uninterrupted, tmp_path, launcher, who, signum, status, env
+):
+    ranks = 1 if launcher == "python" else 2
+    reference, folder = uninterrupted(ranks), tmp_path / "interrupted"
+    args = run_args(tiny_model, data, folder, ranks)
+    process = start(launcher, args, env)
+    tree = process_tree(process, ranks)
+    at_step = wait_for_step(folder, process, 8)
+    asked = time.monotonic()
+    signal_tree(tree, signum, who)
+    if who == "all" and launcher == "accelerate":
+        # More copies to the ranks while they write the checkpoint (an impatient scheduler) change nothing.
+        # (A launcher signalled again while it waits for its ranks gives up waiting: that is torch's choice.)
+        for _ in range(10):
+            time.sleep(0.02)
+            signal_tree(tree[1:], signum)
+    output, _ = process.communicate(timeout=90)
+    wait_until_gone(tree)
+    print(f"{launcher}, {signal.Signals(signum).name} to {who}: all gone {time.monotonic() - asked:.1f}s later")
+
+    if status is not None:
+        assert process.returncode == status, output[-3000:]
+    (saved,) = checkpoints(folder)  # the signal's checkpoint, complete, and nothing half-written
+    step = int(saved.removeprefix("checkpoint-"))
+    # A signal that reaches the ranks stops them after the step in flight; one forwarded by the launcher
+    # arrives a poll interval later (~0.1 s, a few of these 30 ms steps).
+    latency = 3 if who != "launcher" else 12
+    assert at_step <= step <= at_step + latency < STEPS, f"signal after step {at_step}, checkpoint at {step}"
+    assert f"Stopped at step {step}" in output and "--resume_from_checkpoint latest" in output
+    reason = "its launcher exited" if signum == signal.SIGKILL else f"received {signal.Signals(signum).name}"
+    assert reason in output
+    assert not (folder / "all_results.json").exists()
+
+    resume = command(launcher, [*args, "--resume_from_checkpoint", "latest"])
+    result = subprocess.run(resume, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"resuming from {folder / saved} at step {step}" in result.stderr
+    assert_same_weights(reference, folder)
+    assert logged_steps(folder) == logged_steps(reference), "no record lost or doubled by the resume"
+    assert json.loads((folder / "all_results.json").read_text())["global_step"] == STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["python", "accelerate"])
+def test_kill_9_of_every_process_resumes_from_the_last_checkpoint(tiny_model, data, uninterrupted, tmp_path, launcher):
+    ranks = 1 if launcher == "python" else 2
+    reference, folder = uninterrupted(ranks), tmp_path / "killed"
+    args = run_args(tiny_model, data, folder, ranks, "--checkpointing_steps", "5")
+    process = start(launcher, args)
+    tree = process_tree(process, ranks)
+    wait_for_step(folder, process, 12)
+    signal_tree(tree, signal.SIGKILL)
+    process.wait(timeout=60)
+    wait_until_gone(tree)
+    complete = [int(name.removeprefix("checkpoint-")) for name in checkpoints(folder) if name[11:].isdigit()]
+    assert max(complete) >= 10, checkpoints(folder)
+
+    resume = [*args, "--resume_from_checkpoint", "latest"]
+    result = subprocess.run(command(launcher, resume), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_same_weights(reference, folder)
+    assert logged_steps(folder) == logged_steps(reference)
+    assert not list(folder.glob("*.incomplete")), "a save cut short by the kill is cleaned up"
+
+
+def test_max_time_checkpoints_and_resumes_exactly_in_process(tiny_model, data, tmp_path):
+    reference, folder = tmp_path / "reference", tmp_path / "timed"
+    train.main(train.parse_train_args(run_args(tiny_model, data, reference, 1)))
+    with pytest.raises(SystemExit) as stopped:
+        train.main(train.parse_train_args(run_args(tiny_model, data, folder, 1, "--max_time", "0.0001")))
+    assert stopped.value.code == 0, "--max_time is a planned stop, not a failure"
+    (saved,) = checkpoints(folder)
+    assert saved == "checkpoint-1", "the first step already takes longer than 6 ms"
+    train.main(train.parse_train_args(run_args(tiny_model, data, folder, 1, "--resume_from_checkpoint", "latest")))
+    assert_same_weights(reference, folder)
+
+
+def test_main_gives_back_the_signal_handlers_it_found(tiny_model, data, tmp_path):
+    def mine(signum, frame):
+        pass
+
+    previous = {signum: signal.signal(signum, mine) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    try:
+        train.main(train.parse_train_args(run_args(tiny_model, data, tmp_path / "out", 1, "--max_train_steps", "2")))
+        assert all(signal.getsignal(signum) is mine for signum in previous)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
