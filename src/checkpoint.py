@@ -74,6 +74,9 @@ def save_checkpoint(accelerator, output_dir: Path, state: dict, is_writer: bool,
             for old in checkpoints[: max(0, len(checkpoints) - save_total_limit)]:
                 if old.name not in keep:
                     shutil.rmtree(old)
+    # No rank returns (and perhaps exits after a stop signal) before the checkpoint is renamed: a job step
+    # whose first launcher exits can be torn down with everything in it (srun --kill-on-bad-exit).
+    accelerator.wait_for_everyone()
     return final
 
 

@@ -11,8 +11,16 @@ from pathlib import Path
 
 import torch
 
-# The variables by which launchers tell a rank how many ranks share its machine.
-LOCAL_WORLD_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+# The variables by which launchers tell a rank how many ranks share its machine: torchrun and accelerate,
+# MPI, accelerate's notebook_launcher. WORLD_SIZE comes last (debug_launcher sets nothing else): it assumes
+# every rank is on this machine, which at worst gives each fewer threads.
+LOCAL_WORLD_SIZE_VARIABLES = (
+    "LOCAL_WORLD_SIZE",
+    "MPI_LOCALNRANKS",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "NPROC",
+    "WORLD_SIZE",
+)
 
 
 def physical_cores() -> int:

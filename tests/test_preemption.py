@@ -137,7 +137,7 @@ def uninterrupted(tiny_model, data, tmp_path_factory):
     return reference
 
 
-# What examples/slurm_requeue.sbatch exports so that launchers pass SIGUSR1 on instead of dying of it.
+# What examples/slurm_multi_node.sbatch exports so that launchers pass SIGUSR1 on instead of dying of it.
 SLURM_LAUNCHER_ENV = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
 CASES = [
     # launcher, who is signalled, signal, the launcher's exit status, extra environment
@@ -243,3 +243,68 @@ def test_main_gives_back_the_signal_handlers_it_found(tiny_model, data, tmp_path
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+FAKE_SLURM = {
+    # srun: records its command, then plays a training step that saves a checkpoint when signalled.
+    "srun": """#!/bin/bash
+echo "$*" >> "$FAKE_LOG/srun"
+echo $$ > "$FAKE_LOG/srun.pid"
+case "$FAKE_OUTCOME" in
+  finish) mkdir -p "$OUTPUT_DIR" && echo {} > "$OUTPUT_DIR/all_results.json"; exit 0 ;;
+  crash) exit 3 ;;
+esac
+trap 'mkdir -p "$OUTPUT_DIR/checkpoint-7" && echo {} > "$OUTPUT_DIR/checkpoint-7/training_state.json"; exit 1' USR1
+while true; do sleep 0.05; done
+""",
+    # scancel --signal=USR1 JOB: the signal goes to the job step's processes (here: the fake srun).
+    "scancel": """#!/bin/bash
+echo "$*" >> "$FAKE_LOG/scancel"
+kill -USR1 "$(cat "$FAKE_LOG/srun.pid")"
+""",
+    "scontrol": """#!/bin/bash
+case "$1" in
+  show) echo node0 ;;
+  *) echo "$*" >> "$FAKE_LOG/scontrol" ;;
+esac
+""",
+}
+
+
+def test_the_slurm_script_checkpoints_and_requeues_itself_before_the_time_limit(tmp_path):
+    """examples/slurm_multi_node.sbatch's own logic, with stand-ins for srun, scancel and scontrol."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    log.mkdir()
+    for name, text in FAKE_SLURM.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log), "SLURM_JOB_ID": "42",
+           "SLURM_JOB_NODELIST": "node0", "SLURM_NNODES": "1", "OUTPUT_DIR": str(tmp_path / "run")}  # fmt: skip
+
+    def attempt(outcome: str, warn: bool = False) -> subprocess.CompletedProcess:
+        (log / "srun.pid").unlink(missing_ok=True)
+        job = subprocess.Popen(["bash", str(REPO / "examples" / "slurm_multi_node.sbatch")], cwd=tmp_path,
+                               env={**env, "FAKE_OUTCOME": outcome}, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        if warn:  # SLURM's `--signal=B:USR1@300`: SIGUSR1 to the batch shell alone
+            while not (log / "srun.pid").exists():
+                time.sleep(0.01)
+            job.send_signal(signal.SIGUSR1)
+        output, _ = job.communicate(timeout=60)
+        return subprocess.CompletedProcess(job.args, job.returncode, output)
+
+    def lines(name):
+        return (log / name).read_text().splitlines() if (log / name).exists() else []
+
+    first = attempt("run", warn=True)
+    assert first.returncode == 0, first.stdout
+    assert lines("scancel") == ["--signal=USR1 42"] and lines("scontrol") == ["requeue 42"]
+    assert "--resume_from_checkpoint" not in lines("srun")[0]
+
+    second = attempt("finish")  # the requeued job: it resumes and this time finishes
+    assert second.returncode == 0 and "--resume_from_checkpoint latest" in lines("srun")[1]
+    assert lines("scontrol") == ["requeue 42"], "a finished run is not requeued"
+
+    (tmp_path / "run" / "all_results.json").unlink()
+    crashed = attempt("crash")
+    assert crashed.returncode == 3 and lines("scontrol") == ["requeue 42"], "a crash is not requeued"

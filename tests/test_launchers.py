@@ -1,0 +1,86 @@
+"""CPU threads under every launch path: one process gets every physical core, k processes on one machine
+share them, and a value the user exported is kept (launchers' own OMP_NUM_THREADS=1 is not a choice)."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+from accelerate import debug_launcher, notebook_launcher
+from conftest import CPU_CONFIG, REPO, sentiment_rows, train_args, write_rows
+
+from src.runtime import physical_cores
+
+CORES = physical_cores()
+SHARE = max(1, CORES // 2)
+PROBE = f"""
+import json, os, sys
+sys.path.insert(0, {str(REPO)!r})
+from src.runtime import set_cpu_threads
+print("threads:", json.dumps([os.environ.get("RANK", "0"), set_cpu_threads(None)]), flush=True)
+"""
+
+
+def launcher(kind: str) -> list[str]:
+    port = str(random.randint(20000, 40000))
+    return {
+        "python": [sys.executable],
+        "accelerate": [sys.executable, "-m", "accelerate.commands.launch"],
+        "accelerate cpu.yaml": [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
+                                "--num_processes", "2", "--main_process_port", port],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port],
+    }[kind]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kind,exported,expected",
+    [
+        ("python", None, [CORES]),
+        ("accelerate", None, [CORES]),  # the launcher wrote OMP_NUM_THREADS=1
+        ("accelerate cpu.yaml", None, [SHARE, SHARE]),
+        ("torchrun", None, [SHARE, SHARE]),
+        ("accelerate", "1", [1]),  # the user's 1, exported before launching
+        ("torchrun", "1", [1, 1]),
+        ("accelerate cpu.yaml", "3", [3, 3]),
+    ],
+)
+def test_threads_per_process_under_each_launcher(tmp_path, kind, exported, expected):
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if exported:
+        env["OMP_NUM_THREADS"] = exported
+    result = subprocess.run([*launcher(kind), str(probe)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    reports = sorted(
+        json.loads(line.split("threads:", 1)[1]) for line in result.stdout.splitlines() if "threads:" in line
+    )
+    assert [threads for _, threads in reports] == expected
+
+
+def record_threads(folder):
+    from src.runtime import set_cpu_threads
+
+    (folder / f"process-{os.getpid()}").write_text(str(set_cpu_threads(None)))
+
+
+@pytest.mark.parametrize("start", [debug_launcher, notebook_launcher], ids=["debug_launcher", "notebook_launcher"])
+def test_threads_under_accelerates_in_process_launchers(tmp_path, start, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    start(record_threads, (tmp_path,), num_processes=2)
+    assert [int(path.read_text()) for path in tmp_path.glob("process-*")] == [SHARE, SHARE]
+
+
+def test_the_banner_and_results_report_the_threads(tiny_model, tmp_path):
+    """`accelerate launch train.py`, the README's command, with no config: every core, said in two places."""
+    train_file = write_rows(tmp_path / "train.csv", sentiment_rows(16, seed=1))
+    args = train_args(tiny_model, train_file, train_file, tmp_path / "out", "--num_train_epochs", "1")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    result = subprocess.run([*launcher("accelerate"), str(REPO / "train.py"), *args], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{CORES} CPU threads per process" in result.stderr
+    assert json.loads((tmp_path / "out" / "all_results.json").read_text())["cpu_threads_per_process"] == CORES
