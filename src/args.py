@@ -111,7 +111,11 @@ def build_train_parser() -> ArgumentParser:
 
     train = parser.add_argument_group("training")
     train.add_argument("--output_dir", type=Path, default=Path("outputs/run"), help="Where everything is written.")
-    train.add_argument("--num_train_epochs", type=_positive_int, default=3, help="Passes over the training data.")
+    train.add_argument(
+        "--num_train_epochs",
+        type=_positive_int,
+        help="Passes over the training data. Default: 3, or 1 for the built-in demo (it is learnt within one).",
+    )
     train.add_argument("--max_train_steps", type=_positive_int, help="Total optimizer steps; overrides the epochs.")
     train.add_argument("--per_device_train_batch_size", type=_positive_int, default=32, help="Batch size per process.")
     train.add_argument("--gradient_accumulation_steps", type=_positive_int, default=1, help="Batches per update.")
@@ -148,7 +152,12 @@ def build_train_parser() -> ArgumentParser:
     evaluation.add_argument(
         "--per_device_eval_batch_size", type=_positive_int, default=64, help="Batch size per process."
     )
-    evaluation.add_argument("--eval_steps", type=_positive_int, help="Also evaluate every N optimizer steps.")
+    evaluation.add_argument(
+        "--eval_steps",
+        type=_positive_int,
+        help="Also evaluate every N optimizer steps. Default: only at the end of each epoch, or every 10 steps in "
+        "the built-in demo, so that its curves show the learning.",
+    )
     evaluation.add_argument(
         "--metric_for_best_model",
         help="Metric that decides the best model: accuracy, f1, matthews_correlation, pearson, spearmanr, mse or "
@@ -273,7 +282,13 @@ def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argpars
 
 
 def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    """Checks that need more than one flag; single values are checked by their types above."""
+    """Checks that need more than one flag (single values are checked by their types above), and the defaults
+    that depend on other flags."""
+    demo = not (args.dataset_name or args.train_file)
+    if args.num_train_epochs is None:
+        args.num_train_epochs = 1 if demo else 3
+    if args.eval_steps is None and demo:
+        args.eval_steps = 10
     if args.dataset_name and args.train_file:
         parser.error("give either --dataset_name or --train_file, not both")
     if args.validation_file and not (args.train_file or args.dataset_name):

@@ -20,8 +20,12 @@ def error_of(capsys, *argv) -> str:
 
 
 def test_defaults_are_sensible():
-    args = parse()
+    args = parse("--train_file", "train.csv")
     assert (args.num_train_epochs, args.per_device_train_batch_size, args.learning_rate) == (3, 32, 5e-5)
+    assert args.eval_steps is None  # at the end of each epoch
+    demo = parse()  # the built-in demo is learnt within one epoch; evaluations along the way show the curve
+    assert (demo.num_train_epochs, demo.eval_steps) == (1, 10)
+    assert parse("--num_train_epochs", "2", "--eval_steps", "5").num_train_epochs == 2
     assert args.max_length is None  # 128, or less for a model with fewer positions
     assert args.report_to == "tensorboard" and args.group_by_length
 
