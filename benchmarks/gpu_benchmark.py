@@ -13,9 +13,9 @@ tokens/s is the steady rate: the steps after the first --skip_steps (compilation
 the GPU at both ends. MFU = model FLOPs per token x tokens/s / the measured bf16 matmul rate
 (benchmarks/matmul_peak.py), with 6 N FLOPs per token for full fine-tuning and 4 N for LoRA (frozen weights get
 no weight gradient), N the non-embedding parameters; attention's own FLOPs are left out. Peak memory is the
-GPU's memory in use (nvidia-smi, every 0.2 s), so it includes the CUDA context. A final short run with
-`torch.cuda.set_sync_debug_mode("warn")` counts the places where train.py makes the host wait for the GPU.
-Runs that would not finish within --budget_s are skipped and reported as such.
+GPU's memory in use (nvidia-smi, every 0.2 s) less what was in use before the run, so it includes the run's CUDA
+context (~0.5 GiB). A final short run with `torch.cuda.set_sync_debug_mode("warn")` counts the places where
+train.py makes the host wait for the GPU. Runs that would not end within --budget_s are skipped, and said so.
 """
 
 import argparse
@@ -124,17 +124,21 @@ def make_model(name: str, folder: Path, tiny: bool, device: str) -> dict:
     for file in (folder.parent / "tokenizer").iterdir():
         shutil.copy2(file, folder / file.name)
     del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # give the memory back: the runs' peak memory is read off the whole GPU
     return {"total": total, "non_embedding": total - embeddings}
 
 
 class MemoryPoll:
-    """The most GPU memory in use (MiB) while the block runs, read from nvidia-smi; None without one."""
+    """The most GPU memory in use (MiB) while the block runs, less what was in use before; None without nvidia-smi."""
+
+    QUERY = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
 
     def __enter__(self):
         self.peak, self.process = None, None
         if shutil.which("nvidia-smi"):
-            command = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-lms", "200"]
-            self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+            self.before = int(subprocess.run(self.QUERY, capture_output=True, text=True).stdout.split()[0])
+            self.process = subprocess.Popen([*self.QUERY, "-lms", "200"], stdout=subprocess.PIPE, text=True)
             self.thread = threading.Thread(target=self.read, daemon=True)
             self.thread.start()
         return self
@@ -142,7 +146,7 @@ class MemoryPoll:
     def read(self):
         for line in self.process.stdout:
             if line.strip().isdigit():
-                self.peak = max(self.peak or 0, int(line.split()[0]))
+                self.peak = max(self.peak or 0, int(line.split()[0]) - self.before)
 
     def __exit__(self, *exc_info):
         if self.process:
@@ -264,6 +268,8 @@ def main():
             versions[name] = "MISSING"
     device_name = torch.cuda.get_device_name(0) if gpu else "CPU"
     peak = measure(device, torch.bfloat16, 8192 if gpu else 512)
+    if gpu:
+        torch.cuda.empty_cache()
     print(f"{device_name}; {', '.join(f'{k} {v}' for k, v in versions.items())}; bf16 matmul {peak / 1e12:.1f} TFLOP/s")
 
     make_tokenizer(args.work_dir / "tokenizer")
