@@ -9,13 +9,16 @@ wrapped where train.py looks them up), and prints one table: seconds of wall tim
 Arguments after `--` go to train.py.
 """
 
-import argparse
-import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
+
+STARTED_AT = time.time()  # before any other import: the child's start-up is measured from its parent's clock
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 BENCHMARKS = Path(__file__).resolve().parent
 REPO = BENCHMARKS.parent
@@ -57,7 +60,7 @@ def timed(name, function, totals):
 
 def child(report: Path, argv: list[str]):
     """Import train.py (timed), wrap its steps, run main(), and write the totals to `report` as JSON."""
-    totals = {}
+    totals = {"started_at": STARTED_AT}
     wall, cpu = time.perf_counter(), time.process_time()
     sys.path.insert(0, str(REPO))
     import importlib.util
@@ -81,10 +84,11 @@ def child(report: Path, argv: list[str]):
     Accelerator.prepare = timed("prepare", Accelerator.prepare, totals)
     results = train.main(train.parse_train_args(argv))
     totals["end"] = [time.perf_counter() - wall, time.process_time() - cpu]
+    totals["ended_at"] = time.time()
     report.write_text(json.dumps({"totals": totals, "results": results}, default=str))
 
 
-def phases(totals: dict, process_wall: float) -> list[tuple[str, float, float]]:
+def phases(totals: dict, process_wall: float, launched_at: float, exited_at: float) -> list[tuple[str, float, float]]:
     """(phase, wall s, cpu s) rows that add up to the process's wall time."""
 
     def get(name):
@@ -99,7 +103,7 @@ def phases(totals: dict, process_wall: float) -> list[tuple[str, float, float]]:
     data = [sum(get(n)[i] for n in ("load_raw_splits", "load_tokenizer", "tokenize")) for i in (0, 1)]
     loaders = [sum(get(n)[i] for n in ("build_train_dataloader", "build_eval_dataloader")) for i in (0, 1)]
     named = {
-        "Python start-up (until train.py's first line)": [process_wall - get("end")[0], 0.0],
+        "Python start-up": [totals["started_at"] - launched_at, 0.0],
         "imports of train.py": get("imports"),
         "Accelerator, threads, precision": get("build_accelerator"),
         "reading and tokenising the data": data,
@@ -115,7 +119,9 @@ def phases(totals: dict, process_wall: float) -> list[tuple[str, float, float]]:
         "plotting training_curves.png": get("plot_training_curves"),
     }
     accounted = [sum(v[i] for v in named.values()) for i in (0, 1)]
-    named["other (optimizer, scheduler, logging, exit)"] = [process_wall - accounted[0], get("end")[1] - accounted[1]]
+    named["Python exit (after main() returned)"] = [exited_at - totals["ended_at"], 0.0]
+    accounted = [sum(v[i] for v in named.values()) for i in (0, 1)]
+    named["other (optimizer, scheduler, logging)"] = [process_wall - accounted[0], get("end")[1] - accounted[1]]
     return [(name, wall, cpu) for name, (wall, cpu) in named.items()]
 
 
@@ -141,11 +147,11 @@ def main():
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = project_arguments(train_file, data_dir / "validation.tsv", run_dir / "model", seed=42) + train_args
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(run_dir / "cache"))
-    start = time.perf_counter()
+    launched_at, start = time.time(), time.perf_counter()
     subprocess.run([sys.executable, __file__, "--child", str(report), "--", *argv], cwd=REPO, env=env, check=True)
-    wall = time.perf_counter() - start
+    wall, exited_at = time.perf_counter() - start, time.time()
     measured = json.loads(report.read_text())
-    rows = phases(measured["totals"], wall)
+    rows = phases(measured["totals"], wall, launched_at, exited_at)
     steps = next(w for name, w, _ in rows if name == "training steps")
     evaluation = sum(w for name, w, _ in rows if name.startswith(("evaluation", "loading the metric")))
     print(f"\n### train.py outside its training steps ({args.rows:,} rows, {' '.join(train_args) or 'defaults'})\n")

@@ -26,7 +26,7 @@ from pathlib import Path
 import accelerate
 import torch
 import transformers
-from matmul_peak import PEAK_SIZE, peaks
+from matmul_peak import PEAK_SIZES, peaks
 from peer_common import REPO_ROOT, default_model_path
 from transformers import AutoModelForSequenceClassification
 
@@ -359,7 +359,7 @@ def main():
         raise SystemExit("every run failed; see the logs under " + str(args.results_dir / "runs"))
 
     validation_rows = count_rows(validation_file)
-    size = PEAK_SIZE[device.type]
+    sizes = " / ".join(str(size) for size in PEAK_SIZES[device.type])
     peak_text = ", ".join(f"{name} {value / 1e9:,.0f}" for name, value in peak_by_precision.items())
     header = [
         f"### Fine-tuning benchmark, {datetime.date.today().isoformat()}",
@@ -370,7 +370,7 @@ def main():
         f"lr {LEARNING_RATE:g}, 10% warmup, weight decay 0.01, max length {MAX_LENGTH}; "
         f"accuracy on all {validation_rows} validation rows",
         f"- Seeds: {', '.join(map(str, args.seeds))} (figures are means over seeds; accuracy ± standard deviation)",
-        f"- Peak for MFU: best {size}x{size} matmul measured by matmul_peak.py, GFLOP/s: {peak_text}",
+        f"- Peak for MFU: best square matmul ({sizes}) measured by matmul_peak.py, GFLOP/s: {peak_text}",
     ]
     footnotes = [
         "Wall s: the whole process timed from outside (imports, model load, tokenisation, training, evaluation, "
