@@ -103,6 +103,8 @@ def test_gpu_benchmark_runs_end_to_end_on_tiny_models(tmp_path):
     assert set(runs) == {"minilm train.py", "minilm Trainer"}
     for run in runs.values():
         assert run["status"] == "ok" and run["tokens_per_s"] > 0 and 0 < run["mfu"] < 1
+    sync = json.loads((tmp_path / "report" / "gpu_benchmark.json").read_text())["sync"]
+    assert sync == {"steps": 6, "places": {}}, "the sync check ran train.py to its end (no CUDA: nothing to count)"
     table = (tmp_path / "report" / "gpu_benchmark.md").read_text()
     assert "| minilm train.py | 1 | 4 x 6 |" in table and "x |" in table.split("minilm train.py")[1].split("\n")[0]
 
