@@ -3,8 +3,9 @@
     python benchmarks/overhead.py                        # 6,000 SST-2 rows, as run_benchmark.py
     python benchmarks/overhead.py --rows 300 -- --mixed_precision no
 
-Runs train.py once, in a fresh process, with timers around its named steps (the functions train.py calls,
-wrapped where train.py looks them up), and prints one table: seconds of wall time and of CPU time per phase.
+Runs train.py once, in a fresh process and as `python train.py` would, with timers around its named steps (the
+functions train.py calls, wrapped where train.py looks them up), and prints one table: seconds of wall time and
+of CPU time per phase.
 "Training steps" is the loop without the evaluation and checkpoints inside it; everything else is overhead.
 Arguments after `--` go to train.py.
 """
@@ -59,36 +60,42 @@ def timed(name, function, totals):
 
 
 def child(report: Path, argv: list[str]):
-    """Import train.py (timed), wrap its steps, run main(), and write the totals to `report` as JSON."""
+    """Run train.py as `python train.py` would, with its steps wrapped in timers; write the totals to `report`.
+
+    train.py ends with `run_cli(main, ...)`: the stand-in installed here times the imports up to that call, wraps
+    the functions main() looks up in train.py's globals, and runs it.
+    """
+    import runpy
+
     totals = {"started_at": STARTED_AT}
     wall, cpu = time.perf_counter(), time.process_time()
     sys.path.insert(0, str(REPO))
-    import importlib.util
+    import src.errors  # part of train.py's imports, timed with them
 
-    spec = importlib.util.spec_from_file_location("train_script", REPO / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
-    totals["imports"] = [time.perf_counter() - wall, time.process_time() - cpu]
-    from accelerate import Accelerator
+    def timed_run_cli(main, parse_args):
+        totals["imports"] = [time.perf_counter() - wall, time.process_time() - cpu]
+        from accelerate import Accelerator
 
-    import src.metrics
-    import src.reporting
+        import src.metrics
 
-    modules = {"train": train, "src.metrics": src.metrics}
-    for module_name, names in TIMED.items():
-        for name in names:
-            setattr(modules[module_name], name, timed(name, getattr(modules[module_name], name), totals))
-    train.plot_training_curves = src.reporting.plot_training_curves = timed(
-        "plot_training_curves", src.reporting.plot_training_curves, totals
-    )
-    Accelerator.prepare = timed("prepare", Accelerator.prepare, totals)
-    results = train.main(train.parse_train_args(argv))
-    totals["end"] = [time.perf_counter() - wall, time.process_time() - cpu]
-    totals["ended_at"] = time.time()
-    report.write_text(json.dumps({"totals": totals, "results": results}, default=str))
+        modules = {"train": main.__globals__, "src.metrics": vars(src.metrics)}
+        for module_name, names in TIMED.items():
+            for name in names:
+                modules[module_name][name] = timed(name, modules[module_name][name], totals)
+        Accelerator.prepare = timed("prepare", Accelerator.prepare, totals)
+        results = main(parse_args())
+        totals["end"] = [time.perf_counter() - wall, time.process_time() - cpu]
+        totals["ended_at"] = time.time()
+        report.write_text(json.dumps({"totals": totals, "results": results}, default=str))
+
+    src.errors.run_cli = timed_run_cli
+    sys.argv = [str(REPO / "train.py"), *argv]
+    runpy.run_path(str(REPO / "train.py"), run_name="__main__")
 
 
-def phases(totals: dict, process_wall: float, launched_at: float, exited_at: float) -> list[tuple[str, float, float]]:
+def phases(
+    totals: dict, process_wall: float, launched_at: float, exited_at: float, process_cpu: float | None = None
+) -> list[tuple[str, float, float]]:
     """(phase, wall s, cpu s) rows that add up to the process's wall time."""
 
     def get(name):
@@ -119,7 +126,8 @@ def phases(totals: dict, process_wall: float, launched_at: float, exited_at: flo
         "plotting training_curves.png": get("plot_training_curves"),
     }
     accounted = [sum(v[i] for v in named.values()) for i in (0, 1)]
-    named["Python exit (after main() returned)"] = [exited_at - totals["ended_at"], 0.0]
+    exit_cpu = process_cpu - get("end")[1] if process_cpu is not None else 0.0
+    named["Python exit (after main() returned)"] = [exited_at - totals["ended_at"], exit_cpu]
     accounted = [sum(v[i] for v in named.values()) for i in (0, 1)]
     named["other (optimizer, scheduler, logging)"] = [process_wall - accounted[0], get("end")[1] - accounted[1]]
     return [(name, wall, cpu) for name, (wall, cpu) in named.items()]
@@ -136,7 +144,7 @@ def main():
     if args.child:
         return child(args.child, train_args)
 
-    from run_benchmark import DEFAULT_DATA_DIR, project_arguments, write_sample
+    from run_benchmark import DEFAULT_DATA_DIR, children_cpu_seconds, project_arguments, write_sample
 
     data_dir = args.data_dir or DEFAULT_DATA_DIR
     train_file = write_sample(
@@ -147,11 +155,11 @@ def main():
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = project_arguments(train_file, data_dir / "validation.tsv", run_dir / "model", seed=42) + train_args
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(run_dir / "cache"))
-    launched_at, start = time.time(), time.perf_counter()
+    launched_at, start, cpu = time.time(), time.perf_counter(), children_cpu_seconds()
     subprocess.run([sys.executable, __file__, "--child", str(report), "--", *argv], cwd=REPO, env=env, check=True)
-    wall, exited_at = time.perf_counter() - start, time.time()
+    wall, exited_at, process_cpu = time.perf_counter() - start, time.time(), children_cpu_seconds() - cpu
     measured = json.loads(report.read_text())
-    rows = phases(measured["totals"], wall, launched_at, exited_at)
+    rows = phases(measured["totals"], wall, launched_at, exited_at, process_cpu)
     steps = next(w for name, w, _ in rows if name == "training steps")
     evaluation = sum(w for name, w, _ in rows if name.startswith(("evaluation", "loading the metric")))
     print(f"\n### train.py outside its training steps ({args.rows:,} rows, {' '.join(train_args) or 'defaults'})\n")
