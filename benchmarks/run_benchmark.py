@@ -381,6 +381,13 @@ def main():
         "out, so this understates the arithmetic done.",
         "² Model FLOP/s divided by the measured matmul rate of the precision the peer computes in.",
     ]
+    if "launch" in summaries:
+        from accelerate.commands.config import default_config_file
+
+        if Path(default_config_file).exists():
+            footnotes.append(
+                f"`accelerate launch` read the default config {default_config_file}, not the launcher's defaults."
+            )
     threads = {PEERS[peer]: s["threads"] for peer, s in summaries.items() if s["threads"]}
     if threads:
         footnotes.append("CPU threads per process: " + ", ".join(f"{k} {v}" for k, v in threads.items()) + ".")
