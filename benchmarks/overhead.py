@@ -126,10 +126,13 @@ def phases(
         "plotting training_curves.png": get("plot_training_curves"),
     }
     accounted = [sum(v[i] for v in named.values()) for i in (0, 1)]
-    exit_cpu = process_cpu - get("end")[1] if process_cpu is not None else 0.0
-    named["Python exit (after main() returned)"] = [exited_at - totals["ended_at"], exit_cpu]
-    accounted = [sum(v[i] for v in named.values()) for i in (0, 1)]
-    named["other (optimizer, scheduler, logging)"] = [process_wall - accounted[0], get("end")[1] - accounted[1]]
+    exit_wall = exited_at - totals["ended_at"]
+    exit_cpu = process_cpu - get("end")[1] if process_cpu is not None else 0.0  # the child's CPU after main()
+    named["other (optimizer, scheduler, logging)"] = [
+        process_wall - accounted[0] - exit_wall,
+        get("end")[1] - accounted[1],
+    ]
+    named["Python exit (after main() returned)"] = [exit_wall, exit_cpu]
     return [(name, wall, cpu) for name, (wall, cpu) in named.items()]
 
 
