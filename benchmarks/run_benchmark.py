@@ -1,8 +1,8 @@
-"""Time the project's train.py against a transformers Trainer peer and a plain PyTorch peer on one workload.
+"""Time the project's train.py against transformers Trainer peers and a plain PyTorch peer on one workload.
 
-    python benchmarks/run_benchmark.py                      # 3 runs x 1 seed, a few minutes on 2 CPU cores
-    python benchmarks/run_benchmark.py --seeds 1 2 3 --output benchmarks/results/table.md
-    python benchmarks/run_benchmark.py --only project plain
+    python benchmarks/run_benchmark.py                      # 5 peers x 3 seeds, ~25 minutes on 2 idle CPU cores
+    python benchmarks/run_benchmark.py --seeds 42 --rows 300 --only project trainer_grouped   # a quick check
+    python benchmarks/run_benchmark.py --only project launch  # `accelerate launch train.py` against `python train.py`
 
 Every run is a separate process timed from the outside, so the wall time includes imports, model loading
 and tokenisation. Each run also gets an empty `datasets` cache, so none reuses another's work.
@@ -26,29 +26,43 @@ from pathlib import Path
 import accelerate
 import torch
 import transformers
+from matmul_peak import PEAK_SIZES, peaks
 from peer_common import REPO_ROOT, default_model_path
 from transformers import AutoModelForSequenceClassification
 
 BENCHMARKS = Path(__file__).resolve().parent
 DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data" / "sst2"
 PEERS = {
-    "project": "train.py (Accelerate)",
-    "trainer": "transformers Trainer",
+    "project": "python train.py",
+    "launch": "accelerate launch train.py",
+    "trainer_grouped": "Trainer, group_by_length",
+    "trainer": "Trainer as it comes",
     "plain": "plain PyTorch loop",
+    "trainer_grouped_bf16": "Trainer, group_by_length, bf16",
 }
-SAMPLE_SEED = 1234  # fixed: every session and every peer trains on the same 2,000 rows
+DEFAULT_PEERS = ["project", "launch", "trainer_grouped", "trainer", "plain"]
+PROJECT_PEERS = ("project", "launch")  # train.py itself, started two ways
+SAMPLE_SEED = 1234  # fixed: every session and every peer trains on the same rows
 # The workload, passed identically to all three (train.py's defaults give warmup 0.1 and weight decay 0.01).
 EPOCHS, BATCH_SIZE, LEARNING_RATE, MAX_LENGTH = 1, 32, 5e-5, 128
 CONTENTION_LIMIT = 0.1  # cores kept busy by other processes during a run before the table warns
-# Dense bf16 tensor-core peaks from the vendors' data sheets, shown for context on CUDA machines only.
-KNOWN_BF16_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
+# Targets of issue 13 (and issue 10 for the launcher), checked in the printed summary.
+TARGET_WALL_RATIO, TARGET_ACCURACY_POINTS, TARGET_PADDING, TARGET_OUTSIDE_SECONDS, TARGET_LAUNCH_RATIO = (
+    0.85, 1.0, 0.05, 5.0, 0.95,
+)  # fmt: skip
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=2000, help="Shuffled training rows to sample from SST-2.")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[42], help="One run per peer per seed.")
-    parser.add_argument("--only", nargs="+", choices=list(PEERS), default=list(PEERS), help="Run only these peers.")
+    parser.add_argument("--rows", type=int, default=6000, help="Shuffled training rows to sample from SST-2.")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="One run per peer per seed.")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=list(PEERS),
+        default=DEFAULT_PEERS,
+        help=f"Peers to run (default: {DEFAULT_PEERS}).",
+    )
     parser.add_argument("--output", type=Path, help="Also write the markdown table to this file.")
     parser.add_argument("--data_dir", type=Path, default=DEFAULT_DATA_DIR, help="SST-2 train.tsv, validation.tsv.")
     parser.add_argument("--results_dir", type=Path, default=BENCHMARKS / "results", help="Git-ignored work folder.")
@@ -95,27 +109,6 @@ def count_parameters(model_path: str) -> tuple[int, int]:
     return total - embeddings, total
 
 
-def measure_matmul_peak(device: torch.device, size: int, repeats: int = 5, per_repeat: int = 3) -> float:
-    """Best float32 matmul rate in FLOP/s at the default thread count: a practical ceiling for this machine."""
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    torch.matmul(a, b)  # warm-up: thread pool, cuBLAS handles, caches
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(per_repeat):
-            torch.matmul(a, b)
-        sync()
-        best = min(best, (time.perf_counter() - start) / per_repeat)
-    return 2 * size**3 / best
-
-
 def busy_cpu_seconds() -> float | None:
     """CPU seconds spent so far by everything on the machine (all cores), from /proc/stat; None elsewhere."""
     try:
@@ -131,30 +124,32 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def common_arguments(train_file: Path, validation_file: Path, output_dir: Path, seed: int) -> list[str]:
+    """The workload's flags, spelled as train.py spells them; every peer accepts the same ones."""
+    return ["--train_file", str(train_file), "--validation_file", str(validation_file),
+            "--num_train_epochs", str(EPOCHS), "--per_device_train_batch_size", str(BATCH_SIZE),
+            "--learning_rate", str(LEARNING_RATE), "--max_length", str(MAX_LENGTH), "--seed", str(seed),
+            "--output_dir", str(output_dir)]  # fmt: skip
+
+
+def project_arguments(train_file: Path, validation_file: Path, output_dir: Path, seed: int) -> list[str]:
+    """train.py's flags: the workload, and otherwise its defaults (precision, sampler, warmup, weight decay).
+
+    `--report_to none`: the peers keep no TensorBoard logs either.
+    """
+    return [*common_arguments(train_file, validation_file, output_dir, seed), "--report_to", "none",
+            "--overwrite_output_dir"]  # fmt: skip
+
+
 def peer_command(peer: str, train_file: Path, validation_file: Path, run_dir: Path, seed: int) -> list[str]:
-    common = [
-        "--train_file",
-        str(train_file),
-        "--validation_file",
-        str(validation_file),
-        "--num_train_epochs",
-        str(EPOCHS),
-        "--per_device_train_batch_size",
-        str(BATCH_SIZE),
-        "--learning_rate",
-        str(LEARNING_RATE),
-        "--max_length",
-        str(MAX_LENGTH),
-        "--seed",
-        str(seed),
-        "--output_dir",
-        str(run_dir / "model"),
-    ]
-    if peer == "project":
-        # Everything else stays at train.py's defaults (warmup 0.1, weight decay 0.01, length-grouped batches).
-        return [sys.executable, "train.py", *common, "--report_to", "none", "--overwrite_output_dir"]
-    script = BENCHMARKS / f"peer_{peer}.py"
-    return [sys.executable, str(script), *common, "--results", str(run_dir / "results.json")]
+    if peer in PROJECT_PEERS:
+        # `accelerate launch` with no config file: what a user types first (issue 10).
+        launcher = [sys.executable] if peer == "project" else [sys.executable, "-m", "accelerate.commands.launch"]
+        return [*launcher, "train.py", *project_arguments(train_file, validation_file, run_dir / "model", seed)]
+    script = BENCHMARKS / f"peer_{peer.split('_')[0]}.py"
+    options = {"trainer_grouped": ["--group_by_length"], "trainer_grouped_bf16": ["--group_by_length", "--bf16"]}
+    common = common_arguments(train_file, validation_file, run_dir / "model", seed)
+    return [sys.executable, str(script), *common, *options.get(peer, []), "--results", str(run_dir / "results.json")]
 
 
 def project_training_seconds(run_dir: Path, results: dict) -> float | None:
@@ -181,9 +176,11 @@ def project_training_seconds(run_dir: Path, results: dict) -> float | None:
 
 def read_run(peer: str, run_dir: Path, train_rows: int) -> dict:
     """The measurements of one run in a common form: accuracy, seconds, samples and token counts."""
-    if peer != "project":
+    if peer not in PROJECT_PEERS:
         results = json.loads((run_dir / "results.json").read_text())
         return {
+            "precision": "bf16" if results.get("bf16") else "fp32",
+            "threads": results.get("threads"),
             "accuracy": results["eval_accuracy"],
             "train_seconds": results["train_runtime"],
             "eval_seconds": results["eval_runtime"],
@@ -192,10 +189,13 @@ def read_run(peer: str, run_dir: Path, train_rows: int) -> dict:
             "padded_tokens": results["train_padded_tokens"],
         }
     results = json.loads((run_dir / "model" / "all_results.json").read_text())
+    run_args = json.loads((run_dir / "model" / "args.json").read_text())
     runtime = results["train_runtime"]
     tokens = results["train_tokens_per_second"] * runtime
     train_seconds = project_training_seconds(run_dir, results)
     return {
+        "precision": "bf16" if run_args.get("mixed_precision") == "bf16" else "fp32",
+        "threads": results.get("cpu_threads_per_process"),
         "accuracy": results["eval_accuracy"],
         "train_seconds": train_seconds if train_seconds is not None else runtime,
         "eval_seconds": runtime - train_seconds if train_seconds is not None else None,
@@ -239,7 +239,7 @@ def run_one(peer: str, seed: int, train_file: Path, validation_file: Path, resul
     return {"wall_seconds": wall, "other_cores": other_cores, **measured}
 
 
-def summarize(runs: list[dict], non_embedding_params: int, peak: float) -> dict:
+def summarize(runs: list[dict], non_embedding_params: int, peak_by_precision: dict) -> dict:
     """Means over seeds, and the throughput figures derived from them."""
     mean = {key: statistics.fmean(run[key] for run in runs) for key in ("wall_seconds", "train_seconds", "samples")}
     mean["tokens"] = statistics.fmean(run["tokens"] for run in runs)
@@ -248,9 +248,13 @@ def summarize(runs: list[dict], non_embedding_params: int, peak: float) -> dict:
     accuracies = [run["accuracy"] for run in runs]
     train = mean["train_seconds"]
     flops_per_second = 6 * non_embedding_params * mean["tokens"] / train
+    precision = runs[0]["precision"]
     return {
         **mean,
+        "precision": precision,
+        "threads": runs[0]["threads"],
         "eval_seconds": statistics.fmean(evals) if evals else None,
+        "outside_seconds": mean["wall_seconds"] - train,
         "accuracy": statistics.fmean(accuracies),
         "accuracy_std": statistics.stdev(accuracies) if len(accuracies) > 1 else None,
         "samples_per_second": mean["samples"] / train,
@@ -258,35 +262,25 @@ def summarize(runs: list[dict], non_embedding_params: int, peak: float) -> dict:
         "padded_tokens_per_second": mean["padded_tokens"] / train,
         "padding_fraction": 1 - mean["tokens"] / mean["padded_tokens"],
         "flops_per_second": flops_per_second,
-        "mfu": flops_per_second / peak,
+        "mfu": flops_per_second / peak_by_precision["bfloat16" if precision == "bf16" else "float32"],
         "reported_samples": runs[0].get("reported_samples"),
     }
 
 
 def format_table(summaries: dict, header: list[str], footnotes: list[str]) -> str:
     project_wall = summaries["project"]["wall_seconds"] if "project" in summaries else None
-    columns = [
-        "peer",
-        "wall s",
-        "project wall / this",
-        "train loop s",
-        "eval s",
-        "samples/s",
-        "real tok/s",
-        "padded tok/s",
-        "padding",
-        "model GFLOP/s ¹",
-        "MFU ²",
-        "accuracy",
-    ]
+    columns = ["peer", "precision", "wall s", "train.py wall / this", "train loop s", "outside loop s", "eval s"]
+    columns += ["samples/s", "real tok/s", "padded tok/s", "padding", "model GFLOP/s ¹", "MFU ²", "accuracy"]
     lines = [*header, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for peer, s in summaries.items():
         accuracy = f"{s['accuracy']:.4f}" + (f" ± {s['accuracy_std']:.4f}" if s["accuracy_std"] is not None else "")
         cells = [
             PEERS[peer],
+            s["precision"],
             f"{s['wall_seconds']:.1f}",
             f"{project_wall / s['wall_seconds']:.2f}" if project_wall else "n/a",
             f"{s['train_seconds']:.1f}",
+            f"{s['outside_seconds']:.1f}",
             f"{s['eval_seconds']:.1f}" if s["eval_seconds"] is not None else "n/a",
             f"{s['samples_per_second']:.1f}",
             f"{s['tokens_per_second']:,.0f}",
@@ -298,6 +292,40 @@ def format_table(summaries: dict, header: list[str], footnotes: list[str]) -> st
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join([*lines, "", *footnotes]) + "\n"
+
+
+def target_lines(summaries: dict) -> list[str]:
+    """Each target of issues 13 and 10 that these runs can check, with the measured value and MET or MISSED."""
+    project, checks = summaries.get("project"), []
+    if project is None:
+        return []
+    if "trainer_grouped" in summaries:
+        ratio = project["wall_seconds"] / summaries["trainer_grouped"]["wall_seconds"]
+        checks.append(
+            (f"train.py wall / tuned Trainer wall = {ratio:.2f} (<= {TARGET_WALL_RATIO})", ratio <= TARGET_WALL_RATIO)
+        )
+    others = {peer: s for peer, s in summaries.items() if peer not in PROJECT_PEERS}
+    if others:
+        best = max(others, key=lambda peer: others[peer]["accuracy"])
+        points = 100 * (project["accuracy"] - others[best]["accuracy"])
+        text = f"accuracy, train.py {project['accuracy']:.4f} vs the best peer ({PEERS[best]}) "
+        text += f"{others[best]['accuracy']:.4f}: {points:+.1f} points (>= -{TARGET_ACCURACY_POINTS:g})"
+        checks.append((text, points >= -TARGET_ACCURACY_POINTS))
+    padding = project["padding_fraction"]
+    checks.append(
+        (f"padding in train.py's batches = {padding:.1%} (<= {TARGET_PADDING:.0%})", padding <= TARGET_PADDING)
+    )
+    outside = project["outside_seconds"]
+    text = f"train.py outside its training steps = {outside:.1f} s"
+    if project["eval_seconds"] is not None:
+        text += f", of which evaluation {project['eval_seconds']:.1f} s"
+    checks.append((f"{text} (<= {TARGET_OUTSIDE_SECONDS:g} s)", outside <= TARGET_OUTSIDE_SECONDS))
+    if "launch" in summaries:
+        ratio = summaries["launch"]["tokens_per_second"] / project["tokens_per_second"]
+        text = f"training tokens/s, accelerate launch / python = {ratio:.2f} "
+        text += f"({summaries['launch']['threads']} vs {project['threads']} threads; >= {TARGET_LAUNCH_RATIO})"
+        checks.append((text, ratio >= TARGET_LAUNCH_RATIO))
+    return [f"- {text}: {'MET' if met else 'MISSED'}" for text, met in checks]
 
 
 def main():
@@ -315,9 +343,8 @@ def main():
     # first run does not pay for cold disk reads that the later ones would be spared.
     model_path = default_model_path()
     non_embedding, total = count_parameters(model_path)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    matmul_size = 8192 if device.type == "cuda" else 2048
-    peak = measure_matmul_peak(device, matmul_size)
+    device = torch.device("cpu")  # these peers train on the CPU; benchmarks/gpu_benchmark.py is for GPUs
+    peak_by_precision = peaks(device)
 
     runs = {peer: [] for peer in args.only}
     for index, seed in enumerate(args.seeds):
@@ -327,38 +354,43 @@ def main():
             result = run_one(peer, seed, train_file, validation_file, args.results_dir)
             if result is not None:
                 runs[peer].append(result)
-    summaries = {peer: summarize(r, non_embedding, peak) for peer, r in runs.items() if r}
+    summaries = {peer: summarize(r, non_embedding, peak_by_precision) for peer, r in runs.items() if r}
     if not summaries:
         raise SystemExit("every run failed; see the logs under " + str(args.results_dir / "runs"))
 
     validation_rows = count_rows(validation_file)
-    peak_text = f"measured float32 {matmul_size}x{matmul_size} matmul, best of 5: {peak / 1e9:,.1f} GFLOP/s"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(0)
-        sheet = next((value for key, value in KNOWN_BF16_PEAKS.items() if key in name), None)
-        properties = torch.cuda.get_device_properties(0)
-        peak_text += f" ({properties.multi_processor_count} SMs"
-        peak_text += f"; data-sheet dense bf16 peak {sheet / 1e12:,.0f} TFLOP/s)" if sheet else ")"
+    sizes = " / ".join(str(size) for size in PEAK_SIZES[device.type])
+    peak_text = ", ".join(f"{name} {value / 1e9:,.0f}" for name, value in peak_by_precision.items())
     header = [
         f"### Fine-tuning benchmark, {datetime.date.today().isoformat()}",
         "",
         f"- Machine: {machine_description()}",
         f"- Workload: all-MiniLM-L6-v2 ({non_embedding / 1e6:.1f}M non-embedding of {total / 1e6:.1f}M parameters), "
         f"{args.rows:,} shuffled SST-2 training rows (sample seed {SAMPLE_SEED}), {EPOCHS} epoch, batch {BATCH_SIZE}, "
-        f"lr {LEARNING_RATE:g}, 10% warmup, weight decay 0.01, max length {MAX_LENGTH}, float32; "
+        f"lr {LEARNING_RATE:g}, 10% warmup, weight decay 0.01, max length {MAX_LENGTH}; "
         f"accuracy on all {validation_rows} validation rows",
         f"- Seeds: {', '.join(map(str, args.seeds))} (figures are means over seeds; accuracy ± standard deviation)",
-        f"- Peak for MFU: {peak_text}",
+        f"- Peak for MFU: best square matmul ({sizes}) measured by matmul_peak.py, GFLOP/s: {peak_text}",
     ]
     footnotes = [
         "Wall s: the whole process timed from outside (imports, model load, tokenisation, training, evaluation, "
-        "saving the model). Train loop s: the training steps only; eval s: the final evaluation. "
-        "Throughputs are per train-loop second.",
+        "saving the model). Train loop s: the training steps only; outside loop s: wall minus train loop "
+        "(start-up, data, evaluation, saving); eval s: the final evaluation. Throughputs are per train-loop second.",
         "¹ 6 x N x real tokens per train-loop second, N = non-embedding parameters. With padding the hardware "
         "does more work than this count (the padded tokens are computed too), and attention's own FLOPs are left "
         "out, so this understates the arithmetic done.",
-        "² Model FLOP/s divided by the measured matmul rate above.",
+        "² Model FLOP/s divided by the measured matmul rate of the precision the peer computes in.",
     ]
+    if "launch" in summaries:
+        from accelerate.commands.config import default_config_file
+
+        if Path(default_config_file).exists():
+            footnotes.append(
+                f"`accelerate launch` read the default config {default_config_file}, not the launcher's defaults."
+            )
+    threads = {PEERS[peer]: s["threads"] for peer, s in summaries.items() if s["threads"]}
+    if threads:
+        footnotes.append("CPU threads per process: " + ", ".join(f"{k} {v}" for k, v in threads.items()) + ".")
     others = [run["other_cores"] for peer_runs in runs.values() for run in peer_runs if run["other_cores"] is not None]
     if others:
         warning = " TIMINGS DISTURBED: rerun on an idle machine." if max(others) > CONTENTION_LIMIT else ""
@@ -374,7 +406,8 @@ def main():
         )
     if project and project["eval_seconds"] is None:
         footnotes.append("train.py's train loop s includes its end-of-epoch evaluation (metrics.jsonl unreadable).")
-    table = format_table(summaries, header, footnotes)
+    targets = target_lines(summaries)
+    table = format_table(summaries, header, footnotes) + ("\nTargets:\n" + "\n".join(targets) + "\n" if targets else "")
     print(table)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

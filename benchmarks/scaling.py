@@ -2,7 +2,7 @@
 
     python benchmarks/scaling.py            # about 3 minutes on 2 cores
 
-Same workload as run_benchmark.py (2,000 shuffled SST-2 rows, MiniLM, 1 epoch, global batch 32). The two-rank
+The workload of run_benchmark.py at 2,000 shuffled SST-2 rows (MiniLM, 1 epoch, global batch 32). The two-rank
 run uses accelerate_configs/cpu.yaml with 16 rows per rank, so both runs take the same optimizer steps.
 The gather cost is measured inside a 2-rank evaluation of the 872 validation rows: the same loop as
 src/evaluation.py, timed with and without the model's forward pass.

@@ -175,10 +175,14 @@ class LengthGroupedSampler(Sampler[int]):
     The order depends only on (seed, epoch): a resumed run gets the same batches, and every rank computes
     the same order (accelerate then deals the batches out). `batch_size` is the global batch (per device x
     processes) so that 2 ranks x 4 and 1 rank x 8 see the same examples in each optimizer step.
+
+    The shuffled examples are sorted by length within windows of `groups` batches. Wider windows waste less
+    compute on padding: on 6,000 SST-2 rows with batch 32, 16 batches leave 12% of the computed tokens as
+    padding and 64 batches 3.5%, with no loss of accuracy over 3 seeds (benchmarks/README.md).
     """
 
-    def __init__(self, lengths: list[int], batch_size: int, seed: int, group_by_length: bool = True, groups: int = 16):
-        self.lengths = lengths
+    def __init__(self, lengths, batch_size: int, seed: int, group_by_length: bool = True, groups: int = 64):
+        self.lengths = np.asarray(lengths)
         self.batch_size = batch_size
         self.seed = seed
         self.group_by_length = group_by_length
@@ -193,15 +197,15 @@ class LengthGroupedSampler(Sampler[int]):
 
     def __iter__(self):
         rng = np.random.default_rng([self.seed, self.epoch])  # (seed 42, epoch 1) != (seed 43, epoch 0)
-        order = rng.permutation(len(self.lengths)).tolist()
+        order = rng.permutation(len(self.lengths))
         if not self.group_by_length:
-            yield from order
+            yield from order.tolist()
             return
         # Sort within windows of a few batches: lengths line up, batches still change every epoch.
         for start in range(0, len(order), self.window):
-            order[start : start + self.window] = sorted(
-                order[start : start + self.window], key=self.lengths.__getitem__
-            )
+            window = order[start : start + self.window]
+            order[start : start + self.window] = window[np.argsort(self.lengths[window], kind="stable")]
+        order = order.tolist()
         batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         # Shuffle the batches (the short last one stays last) so lengths do not rise steadily within a window.
         full = len(order) // self.batch_size
@@ -211,10 +215,15 @@ class LengthGroupedSampler(Sampler[int]):
             yield from batches[-1]
 
 
+def lengths_of(dataset: Dataset) -> np.ndarray:
+    """The token counts as one array (indexing a `datasets` column row by row costs ~0.1 ms a row)."""
+    return dataset.with_format("numpy")[LENGTH_COLUMN][:]
+
+
 def build_train_dataloader(
     dataset: Dataset, tokenizer, batch_size, num_processes, seed, group_by_length=True, pad_to_multiple_of=None
 ) -> DataLoader:
-    sampler = LengthGroupedSampler(dataset[LENGTH_COLUMN], batch_size * num_processes, seed, group_by_length)
+    sampler = LengthGroupedSampler(lengths_of(dataset), batch_size * num_processes, seed, group_by_length)
     return DataLoader(
         dataset.remove_columns([INDEX_COLUMN, LENGTH_COLUMN]),
         batch_size=batch_size,
@@ -223,17 +232,18 @@ def build_train_dataloader(
         # The loader's own generator: starting an epoch must not draw from the global RNG that dropout uses,
         # or a resumed run would drop out different units than the uninterrupted one.
         generator=torch.Generator().manual_seed(seed),
+        pin_memory=torch.cuda.is_available(),  # lets the non-blocking copy to the GPU really overlap
     )
 
 
 def build_eval_dataloader(dataset: Dataset, tokenizer, batch_size, pad_to_multiple_of=None) -> DataLoader:
     """Longest examples first, so batches hold similar lengths; `evaluate` puts results back in row order."""
-    lengths = dataset[LENGTH_COLUMN]
-    by_length = sorted(range(len(dataset)), key=lambda i: -lengths[i])
+    by_length = np.argsort(-lengths_of(dataset), kind="stable").tolist()
     return DataLoader(
         dataset.remove_columns(LENGTH_COLUMN),
         batch_size=batch_size,
         sampler=by_length,
         collate_fn=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of),
         generator=torch.Generator().manual_seed(0),
+        pin_memory=torch.cuda.is_available(),
     )

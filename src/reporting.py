@@ -10,12 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
-import matplotlib
 import torch
 import transformers
-
-matplotlib.use("Agg")  # files only: no display on clusters and CI
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 def setup_logging():
@@ -53,8 +49,19 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
+def pyplot():
+    """matplotlib.pyplot, imported when the first picture is drawn (0.3-0.5 s that start-up need not wait for)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on clusters and CI
+    import matplotlib.pyplot
+
+    return matplotlib.pyplot
+
+
 def plot_training_curves(records: list[dict], path: Path):
     """Training loss, learning rate and every eval_* metric against the optimizer step, one panel each."""
+    plt = pyplot()
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if any(k.startswith("eval_") for k in r)]
     eval_keys = sorted({k for r in evals for k in r if k.startswith("eval_") and k not in ("eval_samples",)})
@@ -80,6 +87,7 @@ def plot_training_curves(records: list[dict], path: Path):
 
 def plot_confusion_matrix(labels: list[int], predictions: list[int], names: list[str], path: Path):
     """Counts of true (rows) against predicted (columns) classes, with the class names on both axes."""
+    plt = pyplot()
     size = len(names)
     counts = [[0] * size for _ in range(size)]
     for true, predicted in zip(labels, predictions):
@@ -107,6 +115,7 @@ def plot_confusion_matrix(labels: list[int], predictions: list[int], names: list
 
 def plot_regression(labels: list[float], predictions: list[float], path: Path):
     """Predicted against true values, with the diagonal where they would be equal."""
+    plt = pyplot()
     figure, ax = plt.subplots(figsize=(5, 5))
     ax.scatter(labels, predictions, s=8, alpha=0.5)
     low, high = min(labels + predictions), max(labels + predictions)

@@ -1,0 +1,125 @@
+"""Speed work: the sampler's padding bound and guarantees, and the benchmark scripts' own logic."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO
+from datasets import Dataset
+
+from src.data import LENGTH_COLUMN, LengthGroupedSampler, lengths_of
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+def sst2_like_lengths(count: int, seed: int = 0) -> np.ndarray:
+    """Token counts shaped like SST-2's training phrases: median ~10, a long tail up to ~65."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(mean=2.1, sigma=0.8, size=count)) + 2, 3, 66).astype(int)
+
+
+def padding(lengths, order, batch_size) -> float:
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    padded = sum(max(lengths[i] for i in batch) * len(batch) for batch in batches)
+    return 1 - sum(lengths) / padded
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_default_sampler_keeps_padding_under_5_percent(seed):
+    lengths = sst2_like_lengths(6000, seed)
+    sampler = LengthGroupedSampler(lengths, batch_size=32, seed=seed)
+    assert padding(lengths, list(sampler), 32) <= 0.05
+    # The old window of 16 batches wasted more than twice as much on the same data.
+    assert padding(lengths, list(LengthGroupedSampler(lengths, 32, seed=seed, groups=16)), 32) > 0.09
+
+
+def test_sampler_guarantees_hold_with_wide_windows():
+    """Every example once, the order a function of (seed, epoch), the short last batch last."""
+    lengths = sst2_like_lengths(1001)
+    sampler = LengthGroupedSampler(lengths.tolist(), batch_size=32, seed=5)
+    first = list(sampler)
+    assert sorted(first) == list(range(1001))
+    assert list(LengthGroupedSampler(lengths, 32, seed=5)) == first, "a list or an array: the same order"
+    sampler.set_epoch(1)
+    second = list(sampler)
+    assert sorted(second) == list(range(1001)) and second != first
+    assert first[-(1001 % 32) :] == sorted(first[-(1001 % 32) :], key=lambda i: lengths[i]), "last batch stays last"
+
+
+def test_lengths_of_reads_the_column_in_row_order():
+    dataset = Dataset.from_dict({LENGTH_COLUMN: [5, 3, 9, 1]}).select([3, 2, 1, 0])
+    assert lengths_of(dataset).tolist() == [1, 9, 3, 5]
+
+
+def test_benchmark_targets_report_met_and_missed():
+    from run_benchmark import target_lines
+
+    def summary(wall, accuracy, tokens_per_second=1000.0, padding=0.03, outside=4.0, threads=2):
+        return {"wall_seconds": wall, "accuracy": accuracy, "tokens_per_second": tokens_per_second,
+                "padding_fraction": padding, "outside_seconds": outside, "eval_seconds": 1.5,
+                "threads": threads}  # fmt: skip
+
+    lines = target_lines(
+        {
+            "project": summary(40.0, 0.820),
+            "launch": summary(41.0, 0.820, tokens_per_second=900.0, threads=1),
+            "trainer_grouped": summary(50.0, 0.825),
+            "trainer": summary(100.0, 0.835),
+        }
+    )
+    assert lines[0].startswith("- train.py wall / tuned Trainer wall = 0.80") and lines[0].endswith("MET")
+    assert "best peer (Trainer as it comes) 0.8350: -1.5 points" in lines[1] and lines[1].endswith("MISSED")
+    assert lines[2].endswith("MET") and lines[3].endswith("MET")
+    assert "accelerate launch / python = 0.90 (1 vs 2 threads" in lines[4] and lines[4].endswith("MISSED")
+
+
+def test_overhead_phases_add_up_to_the_process_wall_time():
+    from overhead import phases
+
+    totals = {"imports": [3.0, 3.0], "end": [60.0, 100.0], "train_loop": [50.0, 95.0], "evaluate": [2.0, 3.0],
+              "load_metric": [0.5, 0.5], "save_final": [1.0, 1.0], "plot_training_curves": [0.4, 0.4],
+              "load_raw_splits": [0.5, 0.5], "tokenize": [0.7, 0.7],
+              "started_at": 100.1, "ended_at": 160.3}  # fmt: skip
+    rows = dict((name, wall) for name, wall, _ in phases(totals, 60.5, launched_at=100.0, exited_at=160.5))
+    assert rows["Python start-up"] == pytest.approx(0.1)
+    assert rows["Python exit (after main() returned)"] == pytest.approx(0.2)
+    assert rows["training steps"] == pytest.approx(48.0)
+    assert rows["evaluation (forward passes, gathering)"] == pytest.approx(1.5)
+    assert rows["saving the model and results"] == pytest.approx(0.6)
+    assert sum(rows.values()) == pytest.approx(60.5)
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_end_to_end_on_tiny_models(tmp_path):
+    """The GPU benchmark's plumbing on the CPU: model making, both runners, the steady-rate reading, the table."""
+    command = [sys.executable, str(REPO / "benchmarks" / "gpu_benchmark.py"), "--tiny", "--only", "minilm",
+               "--report_dir", str(tmp_path / "report"), "--work_dir", str(tmp_path / "work")]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = {run["run"]: run for run in json.loads((tmp_path / "report" / "gpu_benchmark.json").read_text())["runs"]}
+    assert set(runs) == {"minilm train.py", "minilm Trainer"}
+    for run in runs.values():
+        assert run["status"] == "ok" and run["tokens_per_s"] > 0 and 0 < run["mfu"] < 1
+    sync = json.loads((tmp_path / "report" / "gpu_benchmark.json").read_text())["sync"]
+    assert sync == {"steps": 6, "places": {}}, "the sync check ran train.py to its end (no CUDA: nothing to count)"
+    table = (tmp_path / "report" / "gpu_benchmark.md").read_text()
+    assert "| minilm train.py | 1 | 4 x 6 |" in table and "x |" in table.split("minilm train.py")[1].split("\n")[0]
+
+
+def test_accelerate_launch_without_config_gives_one_process_every_core(tmp_path, tiny_model, tiny_data):
+    """The benchmark's `launch` peer: the launcher's OMP_NUM_THREADS=1 must not leave the other cores idle."""
+    from conftest import train_args
+
+    from src.runtime import physical_cores
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["HF_HOME"] = str(tmp_path / "hf_home")  # no default accelerate config file: the launcher's own defaults
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", str(REPO / "train.py")]
+    args = train_args(tiny_model, *tiny_data, tmp_path / "out", "--num_train_epochs", "1")
+    done = subprocess.run([*launcher, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "all_results.json").read_text())
+    assert results["cpu_threads_per_process"] == physical_cores()
