@@ -297,9 +297,9 @@ def save_model(accelerator, model, output_dir: Path, merge_lora: bool = False, t
         return
     # Merged from the saved adapter on a fresh CPU copy of the base: that works the same whatever sharded the
     # weights in training (FSDP, ZeRO-3), and leaves the GPUs alone.
-    frozen_dtype = next(p.dtype for p in unwrapped.parameters() if not p.requires_grad)
     with tempfile.TemporaryDirectory(dir=output_dir) as adapter_dir:
         unwrapped.save_pretrained(adapter_dir, state_dict=state_dict)
         base.config.save_pretrained(adapter_dir)
-        merged = _load_adapter_folder(adapter_dir, frozen_dtype, trust_remote_code=trust_remote_code)
+        backbone_dtype = next(base.base_model.parameters()).dtype  # the frozen weights' (bf16, or fp32)
+        merged = _load_adapter_folder(adapter_dir, backbone_dtype, trust_remote_code=trust_remote_code)
         merged.merge_and_unload().save_pretrained(output_dir)

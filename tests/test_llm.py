@@ -1,13 +1,16 @@
 """Decoder LLMs as classifiers, LoRA, gradient checkpointing and --auto_find_batch_size, on tiny random decoders
 (Llama, Qwen2 and GPT-2 layouts whose tokenizers have no padding token) and the tiny BERT."""
 
+import csv
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType
 from conftest import DECODER_LAYOUTS, launch, load_script, sentiment_rows, train_args, write_rows
 from fake_oom import out_of_memory_above
 from peft.tuners.lora import LoraLayer
@@ -40,15 +43,8 @@ def run_train(*argv):
 
 
 def run_evaluate(model_dir, data_file, output_dir):
-    args = [
-        "--model_name_or_path",
-        str(model_dir),
-        "--validation_file",
-        str(data_file),
-        "--output_dir",
-        str(output_dir),
-    ]
-    return evaluate_script.main(evaluate_script.parse_eval_args(args))
+    args = ["--model_name_or_path", str(model_dir), "--validation_file", str(data_file)]
+    return evaluate_script.main(evaluate_script.parse_eval_args([*args, "--output_dir", str(output_dir)]))
 
 
 def flags(*argv):
@@ -239,12 +235,8 @@ def test_lora_flags_are_checked(tiny_decoders, data, tmp_path, capsys):
     with pytest.raises(UserError, match="--lora_target_modules qkv: No modules were targeted.*; name linear layers"):
         run_train(*args)
     defaults = flags()
-    assert (defaults.lora_r, defaults.lora_alpha, defaults.lora_dropout, defaults.lora_target_modules) == (
-        16,
-        32,
-        0.05,
-        "all-linear",
-    )
+    assert (defaults.lora_r, defaults.lora_alpha, defaults.lora_dropout) == (16, 32, 0.05)
+    assert defaults.lora_target_modules == "all-linear" and not defaults.use_peft
 
 
 # --- Memory -----------------------------------------------------------------------------------------------------
@@ -287,10 +279,8 @@ def test_auto_batch_size_backs_off_keeps_the_total_and_its_size_on_resume(
     common = ("--num_train_epochs", "1", "--checkpointing_steps", "3")
     monkeypatch.setattr(PreTrainedModel, "__call__", out_of_memory_above(2), raising=False)
     auto = run_train(*train_args(tiny_model, *data, tmp_path / "auto", *common, "--auto_find_batch_size"))
-    assert (
-        "8 examples of up to" in caplog.text
-        and "--per_device_train_batch_size 2 and --gradient_accumulation_steps 4" in caplog.text
-    )
+    assert "8 examples of up to" in caplog.text
+    assert "--per_device_train_batch_size 2 and --gradient_accumulation_steps 4 (was 8 and 1)" in caplog.text
     saved = json.loads((tmp_path / "auto" / "args.json").read_text())
     assert (saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"]) == (2, 4)
     assert auto["total_train_batch_size"] == 8 and auto["global_step"] == 8
@@ -314,10 +304,6 @@ def test_auto_batch_size_refusals(tiny_model, data, tmp_path, monkeypatch):
     monkeypatch.setattr(PreTrainedModel, "__call__", out_of_memory_above(0), raising=False)
     with pytest.raises(UserError, match="--auto_find_batch_size: even 1 example of \\d+ tokens per device runs out"):
         run_train(*train_args(tiny_model, *data, tmp_path / "out", "--auto_find_batch_size"))
-    from types import SimpleNamespace
-
-    from accelerate.utils import DistributedType
-
     for engine in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         with pytest.raises(UserError, match=f"cannot probe memory under {engine.value}.*set --per_device_train"):
             fit_batch_size(flags(), SimpleNamespace(distributed_type=engine), None, None, None, TASK)
@@ -379,3 +365,25 @@ def test_lora_on_two_ranks_matches_one_rank_and_resumes_exactly(tiny_decoders, d
     assert result.returncode == 0, result.stderr[-3000:]
     again = load_file(resumed / "adapter_model.safetensors")
     assert all(torch.equal(adapter[k], again[k]) for k in adapter), "bit for bit the uninterrupted run"
+
+
+def test_the_random_llm_builder_makes_what_train_py_reads(tmp_path, monkeypatch):
+    """examples/make_random_llm.py, at its tiny size: a Llama-layout model, no padding token, labelled long texts."""
+    import importlib.util
+    import sys
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("make_random_llm", REPO / "examples" / "make_random_llm.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    argv = ["make_random_llm.py", "--size", "tiny", "--output", str(tmp_path / "m"), "--data", str(tmp_path / "d")]
+    monkeypatch.setattr(sys, "argv", [*argv, "--words", "40", "--rows", "10"])
+    builder.main()
+    assert AutoTokenizer.from_pretrained(tmp_path / "m").pad_token is None
+    model, tokenizer = built(tmp_path / "m")
+    assert type(model).__name__ == "LlamaForSequenceClassification" and tokenizer.pad_token == "<|end_of_text|>"
+    rows = list(csv.DictReader((tmp_path / "d" / "train.csv").read_text().splitlines()))
+    assert len(rows) == 10 and all(len(row["sentence"].split()) >= 40 for row in rows)
+    assert {row["label"] for row in rows} <= {"negative", "positive"}
+    assert tokenizer.unk_token_id not in tokenizer(rows[0]["sentence"])["input_ids"], "the tokenizer knows every word"
