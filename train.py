@@ -145,7 +145,8 @@ def main(args):
     state = start_or_resume(args, accelerator, resume_path, len(train_dataloader))
     total_batch_size = args.per_device_train_batch_size * accelerator.num_processes * accumulation
     logger.info("***** Running training *****")
-    logger.info(f"  Model = {args.model_name_or_path}{' with LoRA' if args.use_peft else ''}, {task.describe()}")
+    lora = f" with LoRA (r={args.lora_r}, {args.lora_target_modules})" if args.use_peft else ""
+    logger.info(f"  Model = {args.model_name_or_path}{lora}, {task.describe()}")
     logger.info(
         f"  Parameters = {total_parameters:,}, trainable {trainable_parameters:,} "
         f"({100 * trainable_parameters / total_parameters:.2f}%)"

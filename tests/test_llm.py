@@ -276,14 +276,14 @@ def test_auto_batch_size_backs_off_keeps_the_total_and_its_size_on_resume(
     tiny_model, data, tmp_path, monkeypatch, caplog
 ):
     """On the tiny BERT, which has dropout: the probe must leave no trace in the run (RNG, gradients)."""
-    common = ("--num_train_epochs", "1", "--checkpointing_steps", "3")
+    common = ("--max_train_steps", "4", "--checkpointing_steps", "2")
     monkeypatch.setattr(PreTrainedModel, "__call__", out_of_memory_above(2), raising=False)
     auto = run_train(*train_args(tiny_model, *data, tmp_path / "auto", *common, "--auto_find_batch_size"))
     assert "8 examples of up to" in caplog.text
     assert "--per_device_train_batch_size 2 and --gradient_accumulation_steps 4 (was 8 and 1)" in caplog.text
     saved = json.loads((tmp_path / "auto" / "args.json").read_text())
     assert (saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"]) == (2, 4)
-    assert auto["total_train_batch_size"] == 8 and auto["global_step"] == 8
+    assert auto["total_train_batch_size"] == 8 and auto["global_step"] == 4
 
     explicit = ("--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4")
     run_train(*train_args(tiny_model, *data, tmp_path / "explicit", *common, *explicit))
@@ -293,9 +293,9 @@ def test_auto_batch_size_backs_off_keeps_the_total_and_its_size_on_resume(
     # Resumed on a machine with more memory, the run keeps the size it started with (and the same batches).
     monkeypatch.undo()
     resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "auto" / "checkpoint-3", resumed / "checkpoint-3")
+    shutil.copytree(tmp_path / "auto" / "checkpoint-2", resumed / "checkpoint-2")
     run_train(*train_args(tiny_model, *data, resumed, *common, "--auto_find_batch_size", "--resume_from_checkpoint",
-                          str(resumed / "checkpoint-3")))  # fmt: skip
+                          str(resumed / "checkpoint-2")))  # fmt: skip
     c = weights(resumed)
     assert all(torch.equal(a[k], c[k]) for k in a)
 
@@ -338,10 +338,12 @@ def test_full_fine_tuning_on_two_ranks_where_one_runs_out_of_memory(tiny_decoder
 
 
 def test_lora_on_two_ranks_matches_one_rank_and_resumes_exactly(tiny_decoders, data, tmp_path):
-    """With gradient checkpointing; no LoRA dropout, whose random draws differ between 1 and 2 ranks."""
+    """With gradient accumulation and checkpointing; no LoRA dropout, whose random draws differ between 1 and 2
+    ranks. 2 ranks x 2 examples x 2 accumulation steps see the same examples in each update as 1 x 4 x 2."""
     base = tiny_decoders["qwen2"]
-    lora = ("--use_peft", "--lora_r", "4", "--lora_dropout", "0", "--gradient_checkpointing", "--max_train_steps", "10",
-            "--checkpointing_steps", "3", "--per_device_train_batch_size", "4")  # fmt: skip
+    lora = ("--use_peft", "--lora_r", "4", "--lora_dropout", "0", "--gradient_checkpointing", "--max_train_steps", "7",
+            "--checkpointing_steps", "3", "--gradient_accumulation_steps", "2",
+            "--per_device_train_batch_size", "2")  # fmt: skip
     two = tmp_path / "two"
     result = launch("train.py", train_args(base, *data, two, *lora))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -350,7 +352,7 @@ def test_lora_on_two_ranks_matches_one_rank_and_resumes_exactly(tiny_decoders, d
     assert all(".lora_" in key or "score" in key for key in weights(two / "checkpoint-3"))
 
     one = tmp_path / "one"
-    run_train(*train_args(base, *data, one, *lora[:-2], "--per_device_train_batch_size", "8"))
+    run_train(*train_args(base, *data, one, *lora[:-2], "--per_device_train_batch_size", "4"))
     single = load_file(one / "adapter_model.safetensors")
     worst = max((adapter[k] - single[k]).abs().max().item() for k in adapter)
     assert worst < 1e-5, f"adapters differ by up to {worst}"
