@@ -91,7 +91,8 @@ def main(args):
             args.model_name_or_path, pad_token_id=tokenizer.pad_token_id, mixed_precision=accelerator.mixed_precision
         )
         task = task_of_config(model.config)
-        args.max_length = resolve_max_length(args.max_length, tokenizer, model.config)
+        # The training run's --max_length unless told otherwise: texts cut elsewhere get other predictions.
+        args.max_length = resolve_max_length(args.max_length or trained.get("max_length"), tokenizer, model.config)
         dataset = tokenize(data, tokenizer, (text_column, pair_column, label_column), args.max_length, task)
 
     dataloader = accelerator.prepare(build_eval_dataloader(dataset, tokenizer, args.per_device_eval_batch_size))

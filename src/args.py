@@ -78,7 +78,8 @@ def _add_data_arguments(group, split_help):
     group.add_argument(
         "--max_length",
         type=_positive_int,
-        help="Truncate texts to this many tokens. Default: 128, or the model's limit if less.",
+        help="Truncate texts to this many tokens. Default: 128, or the model's limit if less; evaluate.py: the "
+        "training run's.",
     )
     group.add_argument("--max_eval_samples", type=_positive_int, help=f"Keep only the first N rows of {split_help}.")
 

@@ -173,7 +173,7 @@ def test_frozen_weights_keep_the_checkpoint_dtype_under_mixed_precision(tiny_dec
 def test_lora_output_checkpoints_resume_and_evaluation(tiny_decoders, data, tmp_path):
     """One LoRA run (with dropout): what it saves, how it loads, and an exact resume from its first checkpoint."""
     base, out = tiny_decoders["llama"], tmp_path / "lora"
-    lora = ("--use_peft", "--lora_r", "4", "--checkpointing_steps", "5", "--logging_steps", "1")
+    lora = ("--use_peft", "--lora_r", "4", "--checkpointing_steps", "5", "--logging_steps", "1", "--max_length", "9")
     results = run_train(*train_args(base, *data, out, *lora))
 
     # The output: adapter and head, config (labels, pad token) and tokenizer; no copy of the base model.
@@ -197,7 +197,7 @@ def test_lora_output_checkpoints_resume_and_evaluation(tiny_decoders, data, tmp_
     assert model.config.id2label == {0: "negative", 1: "positive"} and model.config.pad_token_id is not None
     assert_same_logits(*logits_alone_and_in_a_batch(model, AutoTokenizer.from_pretrained(out)))
 
-    # evaluate.py takes the folder and reproduces the run's final metrics.
+    # evaluate.py takes the folder and reproduces the run's final metrics (texts cut at the run's --max_length).
     metrics = run_evaluate(out, data[1], tmp_path / "eval")
     assert metrics == {k: v for k, v in results.items() if k.startswith("eval_")}
 
