@@ -4,6 +4,7 @@ One script from a laptop CPU to many GPUs on many machines:
 
     accelerate launch train.py                                  # built-in demo task, packaged MiniLM
     accelerate launch train.py --train_file train.csv --validation_file dev.csv
+    accelerate launch train.py --model_name_or_path Qwen/Qwen2.5-7B --use_peft --train_file train.csv ...   # LoRA
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train.py --config my_run.yaml
 """
 

@@ -2,8 +2,8 @@
 # The large-model paths on one GPU with nothing to download, on a random Llama-layout model and long texts made by
 # examples/make_random_llm.py; prints a summary with the GPU's peak memory (nvidia-smi). Logs stay in $WORK/logs.
 #
-#   bash examples/llm_gpu_check.sh single   # LoRA: --auto_find_batch_size, checkpoints, resume, evaluate.py, --merge_lora
-#   bash examples/llm_gpu_check.sh fsdp     # LoRA and full fine-tuning under accelerate_configs/fsdp.yaml, 1 process
+#   bash examples/llm_gpu_check.sh single   # LoRA: --auto_find_batch_size, resume, evaluate.py, --merge_lora
+#   bash examples/llm_gpu_check.sh fsdp     # LoRA (resume, merge) and full fine-tuning under fsdp.yaml, 1 process
 #   SIZE=8b bash examples/llm_gpu_check.sh memory   # LoRA on an 8B model, 8 x 512 tokens, with and without
 #                                                   # gradient checkpointing
 # SIZE=tiny runs the 'single' stage on a CPU, as a quick check of the script itself.
@@ -14,7 +14,8 @@ WORK=${WORK:-/tmp/llm-check}
 export PYTHONUNBUFFERED=1
 rm -rf "$WORK" && mkdir -p "$WORK/logs"
 WORDS=$([ "$STAGE" = memory ] && echo 400 || echo 200)
-python examples/make_random_llm.py --size "$SIZE" --output "$WORK/model" --data "$WORK/data" --words "$WORDS" --rows 2000
+python examples/make_random_llm.py --size "$SIZE" --output "$WORK/model" --data "$WORK/data" --words "$WORDS" \
+  --rows 2000
 MAX_LENGTH=$([ "$STAGE" = memory ] && echo 512 || echo 256)
 DATA=(--model_name_or_path "$WORK/model" --train_file "$WORK/data/train.csv" --validation_file "$WORK/data/dev.csv"
       --max_length "$MAX_LENGTH" --report_to none --logging_steps 5)
@@ -30,7 +31,8 @@ run() {  # run NAME COMMAND...: its log in $WORK/logs/NAME.log; a one-line summa
   fi
   "$@" > "$WORK/logs/$name.log" 2>&1 || { tail -40 "$WORK/logs/$name.log"; exit 1; }
   [ -n "$sampler" ] && kill "$sampler" && echo "$name: peak GPU memory $(sort -n "$WORK/logs/$name.mem" | tail -1) MiB"
-  grep -hE "Parameters =|auto_find_batch_size|Total train batch|Done in" "$WORK/logs/$name.log" | sed "s/^/  $name: /" || true
+  grep -hE "Parameters =|auto_find_batch_size|Total train batch|Done in" "$WORK/logs/$name.log" \
+    | sed "s/^/  $name: /" || true
 }
 
 resume() {  # resume NAME COMMAND...: the run NAME again from its first checkpoint, in a fresh folder, then compared
@@ -45,9 +47,11 @@ from safetensors.torch import load_file
 a, b = map(Path, sys.argv[1:])
 name = "adapter_model.safetensors" if (a / "adapter_model.safetensors").exists() else "model.safetensors"
 x, y = load_file(a / name), load_file(b / name)
-print(f"  resumed vs uninterrupted: max weight difference {max((x[k].float() - y[k].float()).abs().max().item() for k in x):.3g}")
+worst = max((x[k].float() - y[k].float()).abs().max().item() for k in x)
+print(f"  resumed vs uninterrupted: max weight difference {worst:.3g}")
 def losses(folder):
-    return {r["step"]: r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+    records = map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
 la, lb = losses(a), losses(b)
 print("  losses (uninterrupted, resumed):", [(s, round(la[s], 5), round(lb[s], 5)) for s in sorted(lb)])
 PY
@@ -60,7 +64,8 @@ evaluate() {  # evaluate NAME: evaluate.py on the run's output folder, against t
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-trained, evaluated = (json.loads(p.read_text()) for p in (out / "all_results.json", Path(f"{out}-eval/eval_results.json")))
+trained = json.loads((out / "all_results.json").read_text())
+evaluated = json.loads(Path(f"{out}-eval/eval_results.json").read_text())
 print(f"  {out.name}: trained {trained['trainable_parameters']:,} of {trained['total_parameters']:,} parameters")
 for key in ("eval_accuracy", "eval_loss"):
     print(f"  {key}: train.py {trained[key]:.6f}, evaluate.py {evaluated[key]:.6f}")
@@ -90,6 +95,9 @@ fsdp)
   run fsdp-lora "${FSDP[@]}" "${COMMON[@]}" --use_peft --output_dir "$WORK/fsdp-lora"
   resume fsdp-lora "${FSDP[@]}" "${COMMON[@]}" --use_peft
   evaluate fsdp-lora
+  run fsdp-merged "${FSDP[@]}" "${COMMON[@]}" --use_peft --max_train_steps 10 --merge_lora \
+    --output_dir "$WORK/fsdp-merged"
+  evaluate fsdp-merged
   run fsdp-full "${FSDP[@]}" "${COMMON[@]}" --learning_rate 1e-5 --output_dir "$WORK/fsdp-full"
   evaluate fsdp-full
   sizes "$WORK/model" "$WORK/fsdp-lora/adapter_model.safetensors" "$WORK/fsdp-lora/checkpoint-10" \
