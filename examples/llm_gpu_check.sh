@@ -2,13 +2,14 @@
 # The large-model paths on one GPU with nothing to download, on a random Llama-layout model and long texts made by
 # examples/make_random_llm.py; prints a summary with the GPU's peak memory (nvidia-smi). Logs stay in $WORK/logs.
 #
-#   bash examples/llm_gpu_check.sh single   # LoRA: --auto_find_batch_size, resume, evaluate.py, --merge_lora
-#   bash examples/llm_gpu_check.sh fsdp     # LoRA (resume, merge) and full fine-tuning under fsdp.yaml, 1 process
+#   bash examples/llm_gpu_check.sh single      # LoRA: --auto_find_batch_size, resume, evaluate.py, --merge_lora
+#   bash examples/llm_gpu_check.sh fsdp        # LoRA (resume, merge) under accelerate_configs/fsdp.yaml, 1 process
+#   bash examples/llm_gpu_check.sh fsdp-full   # full fine-tuning under fsdp.yaml, 1 process
 #   SIZE=8b bash examples/llm_gpu_check.sh memory   # LoRA on an 8B model, 8 x 512 tokens, with and without
 #                                                   # gradient checkpointing
 # SIZE=tiny runs the 'single' stage on a CPU, as a quick check of the script itself.
 set -euo pipefail
-STAGE=${1:?give a stage: single, fsdp or memory}
+STAGE=${1:?give a stage: single, fsdp, fsdp-full or memory}
 SIZE=${SIZE:-1b}
 WORK=${WORK:-/tmp/llm-check}
 export PYTHONUNBUFFERED=1
@@ -98,10 +99,13 @@ fsdp)
   run fsdp-merged "${FSDP[@]}" "${COMMON[@]}" --use_peft --max_train_steps 10 --merge_lora \
     --output_dir "$WORK/fsdp-merged"
   evaluate fsdp-merged
-  run fsdp-full "${FSDP[@]}" "${COMMON[@]}" --learning_rate 1e-5 --output_dir "$WORK/fsdp-full"
+  sizes "$WORK/model" "$WORK/fsdp-lora/adapter_model.safetensors" "$WORK/fsdp-lora/checkpoint-10"
+  ;;
+fsdp-full)
+  run fsdp-full "${FSDP[@]}" --gradient_checkpointing --per_device_train_batch_size 16 --max_train_steps 30 \
+    --checkpointing_steps 30 --learning_rate 1e-5 --output_dir "$WORK/fsdp-full"
   evaluate fsdp-full
-  sizes "$WORK/model" "$WORK/fsdp-lora/adapter_model.safetensors" "$WORK/fsdp-lora/checkpoint-10" \
-    "$WORK/fsdp-full/checkpoint-10"
+  sizes "$WORK/model" "$WORK/fsdp-full/model.safetensors" "$WORK/fsdp-full/checkpoint-30"
   ;;
 memory)
   MEMORY=("${SINGLE[@]}" --use_peft --per_device_train_batch_size 8 --max_train_steps 5 --no-group_by_length)
@@ -109,7 +113,7 @@ memory)
   run lora-plain "${MEMORY[@]}" --output_dir "$WORK/lora-plain"
   ;;
 *)
-  echo "unknown stage $STAGE: single, fsdp or memory" >&2
+  echo "unknown stage $STAGE: single, fsdp, fsdp-full or memory" >&2
   exit 2
   ;;
 esac
