@@ -2,6 +2,8 @@
 
     accelerate launch evaluate.py --model_name_or_path outputs/run --validation_file dev.csv
 
+The model folder may hold a whole model or a LoRA adapter and head (train.py --use_peft) on the base model it names.
+
 Writes eval_results.json, predictions.csv (one row per example, in the data's order) and a picture
 (confusion matrix, or predicted-vs-true scatter for regression). The files are the same whether it
 runs on 1 or many processes.
@@ -85,9 +87,13 @@ def main(args):
             need_label=False,
         )
         tokenizer = load_tokenizer(args.model_name_or_path)
-        model = load_model(args.model_name_or_path)
+        # A whole model, or a LoRA output's adapter and head on its base model (in the dtypes training used).
+        model = load_model(
+            args.model_name_or_path, pad_token_id=tokenizer.pad_token_id, mixed_precision=accelerator.mixed_precision
+        )
         task = task_of_config(model.config)
-        args.max_length = resolve_max_length(args.max_length, tokenizer)
+        # The training run's --max_length unless told otherwise: texts cut elsewhere get other predictions.
+        args.max_length = resolve_max_length(args.max_length or trained.get("max_length"), tokenizer, model.config)
         dataset = tokenize(data, tokenizer, (text_column, pair_column, label_column), args.max_length, task)
 
     dataloader = accelerator.prepare(build_eval_dataloader(dataset, tokenizer, args.per_device_eval_batch_size))

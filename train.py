@@ -4,6 +4,7 @@ One script from a laptop CPU to many GPUs on many machines:
 
     accelerate launch train.py                                  # built-in demo task, packaged MiniLM
     accelerate launch train.py --train_file train.csv --validation_file dev.csv
+    accelerate launch train.py --model_name_or_path Qwen/Qwen2.5-7B --use_peft --train_file train.csv ...   # LoRA
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train.py --config my_run.yaml
 """
 
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from src.args import build_train_parser, parse_args, validate_train_args
+from src.batch_size import fit_batch_size
 from src.checkpoint import (
     check_output_dir,
     load_checkpoint,
@@ -32,7 +34,7 @@ from src.data import build_eval_dataloader, build_train_dataloader, detect_colum
 from src.errors import UserError, main_process_first, run_cli
 from src.evaluation import evaluate
 from src.metrics import check_best_metric, greater_is_better
-from src.model import default_model_path, load_model, load_tokenizer, resolve_max_length
+from src.model import build_model, count_parameters, default_model_path, load_tokenizer, resolve_max_length, save_model
 from src.reporting import (
     ThroughputWindow,
     append_jsonl,
@@ -103,17 +105,19 @@ def main(args):
         args.text_column, args.text_pair_column, args.label_column = columns
         task = detect_task(raw["train"], args.label_column)
         tokenizer = load_tokenizer(args.model_name_or_path)
-        args.max_length = resolve_max_length(args.max_length, tokenizer)
+        model = build_model(args, task, tokenizer, accelerator)  # a new head; LoRA and gradient checkpointing if asked
+        args.max_length = resolve_max_length(args.max_length, tokenizer, model.config)
         train_dataset = tokenize(raw["train"], tokenizer, columns, args.max_length, task)
         eval_dataset = tokenize(raw["validation"], tokenizer, columns, args.max_length, task)
-        model = load_model(args.model_name_or_path, task)
     args.metric_for_best_model = check_best_metric(args.metric_for_best_model, task)
     if args.greater_is_better is None:
         args.greater_is_better = greater_is_better(args.metric_for_best_model)
-    num_parameters = model.num_parameters()  # before prepare() wraps (and perhaps shards) it
+    trainable_parameters, total_parameters = count_parameters(model)  # before prepare() wraps (and perhaps shards) it
 
     optimizer = build_optimizer(model, args, accelerator.device)
     pad_to_multiple_of = 8 if accelerator.device.type == "cuda" else None  # tensor cores want multiples of 8
+    if args.auto_find_batch_size:
+        fit_batch_size(args, accelerator, model, train_dataset, tokenizer, task, resume_path, pad_to_multiple_of)
     train_dataloader = build_train_dataloader(
         train_dataset, tokenizer, args.per_device_train_batch_size, accelerator.num_processes, args.seed,
         args.group_by_length, pad_to_multiple_of,
@@ -142,7 +146,12 @@ def main(args):
     state = start_or_resume(args, accelerator, resume_path, len(train_dataloader))
     total_batch_size = args.per_device_train_batch_size * accelerator.num_processes * accumulation
     logger.info("***** Running training *****")
-    logger.info(f"  Model = {args.model_name_or_path} ({num_parameters / 1e6:.1f}M parameters), {task.describe()}")
+    lora = f" with LoRA (r={args.lora_r}, {args.lora_target_modules})" if args.use_peft else ""
+    logger.info(f"  Model = {args.model_name_or_path}{lora}, {task.describe()}")
+    logger.info(
+        f"  Parameters = {total_parameters:,}, trainable {trainable_parameters:,} "
+        f"({100 * trainable_parameters / total_parameters:.2f}%)"
+    )
     logger.info(f"  Num examples = {len(train_dataset)} train, {len(eval_dataset)} validation")
     logger.info(
         f"  Processes = {accelerator.num_processes} on {accelerator.device.type} "
@@ -172,6 +181,8 @@ def main(args):
             "cpu_threads_per_process": args.cpu_threads,
             "total_train_batch_size": total_batch_size,
             "global_step": state["global_step"],
+            "trainable_parameters": trainable_parameters,
+            "total_parameters": total_parameters,
         }
         save_final(args, accelerator, model, tokenizer, results)
     summary = ", ".join(f"{k} = {v:.4f}" for k, v in eval_metrics.items() if k != "eval_samples")
@@ -352,12 +363,9 @@ def train_loop(
 
 
 def save_final(args, accelerator, model, tokenizer, results: dict):
-    """The model (full state dict, gathered under FSDP/DeepSpeed, no DDP `module.` prefix), tokenizer and results."""
+    """The model (or LoRA adapter and head), tokenizer and results."""
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
-    accelerator.unwrap_model(model).save_pretrained(
-        args.output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict
-    )
+    save_model(accelerator, model, args.output_dir, args.merge_lora)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         write_json(args.output_dir / "all_results.json", results)

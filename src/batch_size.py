@@ -1,0 +1,115 @@
+"""--auto_find_batch_size: the largest per-device batch, up to the one asked for, whose worst case fits in memory,
+with gradient accumulation raised so that the total batch stays the one asked for.
+
+Each rank probes on its own, before `prepare()`: one forward and backward pass on the longest training examples,
+outside any DDP gradient synchronisation, so a rank that runs out of memory leaves no other rank waiting in an
+all-reduce. The ranks then take the smallest size any of them found. FSDP and DeepSpeed shard the model inside
+`prepare()`: there is no safe probe before it, and one inside would run out of memory within their collectives.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from accelerate.logging import get_logger
+from accelerate.utils import DistributedType
+from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
+from transformers import DataCollatorWithPadding
+
+from src.checkpoint import STATE_FILE
+from src.data import INDEX_COLUMN, LENGTH_COLUMN
+from src.errors import UserError
+
+logger = get_logger(__name__)
+
+
+def next_smaller(size: int, requested: int) -> int:
+    """The largest divisor of `requested` no more than half of `size` (0 after 1): halving, kept to divisors so that
+    more accumulation steps make up the total batch exactly."""
+    return max((d for d in range(1, size // 2 + 1) if requested % d == 0), default=0)
+
+
+def fit_batch_size(args, accelerator, model, dataset, tokenizer, task, resume_path=None, pad_to_multiple_of=None):
+    """Set --per_device_train_batch_size to the largest size that fits on every rank (and --gradient_accumulation_steps
+    to keep the total batch); a resumed run keeps the sizes its checkpoint was made with."""
+    requested, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    if resume_path is not None:
+        found = _sizes_of_checkpoint(resume_path)
+        if found and found[0] * found[1] == requested * accumulation:
+            _use(args, accelerator, *found, f"the batch size found when the run started (checkpoint {resume_path})")
+        return  # different totals: the checkpoint's settings check names them
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise UserError(
+            f"--auto_find_batch_size cannot probe memory under {accelerator.distributed_type.value}, which shards the "
+            "model as it trains: leave it off and set --per_device_train_batch_size yourself"
+        )
+    model.to(accelerator.device)  # where prepare() would put it
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    size = requested
+    while size and not _fits(model, _longest_batch(dataset, tokenizer, size, pad_to_multiple_of), task, accelerator,
+                             trainable):  # fmt: skip
+        clear_device_cache(garbage_collection=True)  # the failed attempt's tensors, freed with its traceback
+        size = next_smaller(size, requested)
+    size = int(accelerator.gather(torch.tensor([size], device=accelerator.device)).min())  # every rank, same size
+    longest = max(dataset[LENGTH_COLUMN])
+    if size == 0:
+        raise UserError(
+            f"--auto_find_batch_size: even 1 example of {longest} tokens per device runs out of memory; lower "
+            "--max_length, add --gradient_checkpointing or --use_peft, or use FSDP to shard the model"
+        )
+    if size == requested:
+        logger.info(f"--auto_find_batch_size: {requested} examples of up to {longest} tokens per device fit in memory")
+        return
+    _use(args, accelerator, size, accumulation * (requested // size),
+         f"{requested} examples of up to {longest} tokens per device do not fit in memory")  # fmt: skip
+
+
+def _use(args, accelerator, size, accumulation, why):
+    if (size, accumulation) == (args.per_device_train_batch_size, args.gradient_accumulation_steps):
+        return
+    total = size * accumulation * accelerator.num_processes
+    logger.warning(
+        f"--auto_find_batch_size: {why}; training with --per_device_train_batch_size {size} and "
+        f"--gradient_accumulation_steps {accumulation} (was {args.per_device_train_batch_size} and "
+        f"{args.gradient_accumulation_steps}): the same total batch of {total}"
+    )
+    args.per_device_train_batch_size, args.gradient_accumulation_steps = size, accumulation
+    accelerator.gradient_accumulation_steps = accumulation
+
+
+def _sizes_of_checkpoint(path: Path) -> tuple[int, int] | None:
+    try:
+        saved = json.loads((Path(path) / STATE_FILE).read_text())["args"]
+        return int(saved["per_device_train_batch_size"]), int(saved["gradient_accumulation_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # loading the checkpoint reports what is wrong with it
+
+
+def _longest_batch(dataset, tokenizer, size, pad_to_multiple_of) -> dict:
+    lengths = dataset[LENGTH_COLUMN]
+    longest = sorted(range(len(dataset)), key=lambda i: -lengths[i])[:size]
+    rows = dataset.select(longest).remove_columns([INDEX_COLUMN, LENGTH_COLUMN])
+    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)([row for row in rows])
+
+
+def _fits(model, batch, task, accelerator, trainable: int) -> bool:
+    """One training step's memory on `batch`: forward, backward, gradients, and AdamW's two fp32 moments per
+    trainable weight (created at the first real step). The RNG (dropout) is left as it was."""
+    batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+    labels = batch.pop("labels")
+    device = accelerator.device
+    model.train()
+    try:
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+            moments = torch.empty(2 * trainable, dtype=torch.float32, device=device)
+            with accelerator.autocast():
+                loss = task.loss(model(**batch).logits, labels)
+            loss.backward()
+            del moments, loss
+        return True
+    except Exception as err:  # only out-of-memory errors mean "smaller"; anything else is a real failure
+        if not should_reduce_batch_size(err):
+            raise
+        return False
+    finally:
+        model.zero_grad(set_to_none=True)

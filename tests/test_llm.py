@@ -1,0 +1,391 @@
+"""Decoder LLMs as classifiers, LoRA, gradient checkpointing and --auto_find_batch_size, on tiny random decoders
+(Llama, Qwen2 and GPT-2 layouts whose tokenizers have no padding token) and the tiny BERT."""
+
+import csv
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType
+from conftest import DECODER_LAYOUTS, launch, load_script, sentiment_rows, train_args, write_rows
+from fake_oom import out_of_memory_above
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers.pytorch_utils import Conv1D
+
+from src.args import build_train_parser, parse_args, validate_train_args
+from src.batch_size import fit_batch_size, next_smaller
+from src.errors import UserError
+from src.model import build_model, head_modules, load_tokenizer, resolve_max_length
+from src.task import SINGLE_LABEL, Task
+
+train = load_script("train")
+evaluate_script = load_script("evaluate")
+TASK = Task(SINGLE_LABEL, ("negative", "positive"))
+TEXTS = [row["sentence"] for row in sentiment_rows(7, seed=3)] + ["bad", "the plot"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    return write_rows(folder / "train.csv", sentiment_rows(64, seed=1)), write_rows(
+        folder / "dev.csv", sentiment_rows(21, seed=2)
+    )
+
+
+def run_train(*argv):
+    return train.main(train.parse_train_args(list(argv)))
+
+
+def run_evaluate(model_dir, data_file, output_dir):
+    args = ["--model_name_or_path", str(model_dir), "--validation_file", str(data_file)]
+    return evaluate_script.main(evaluate_script.parse_eval_args([*args, "--output_dir", str(output_dir)]))
+
+
+def flags(*argv):
+    parser = build_train_parser()
+    return validate_train_args(parser, parse_args(parser, list(argv)))
+
+
+def built(model_dir, *argv, mixed_precision="no"):
+    """(model, tokenizer) as train.py builds them."""
+    tokenizer = load_tokenizer(str(model_dir))
+    AcceleratorState._reset_state(reset_partial_state=True)  # a new precision, as in a new process
+    accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
+    return build_model(flags("--model_name_or_path", str(model_dir), *argv), TASK, tokenizer, accelerator), tokenizer
+
+
+def logits_alone_and_in_a_batch(model, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    model.eval()
+    with torch.no_grad():
+        batch = model(**tokenizer(TEXTS, padding=True, return_tensors="pt")).logits
+        alone = torch.cat([model(**tokenizer([text], return_tensors="pt")).logits for text in TEXTS])
+    return alone, batch
+
+
+def assert_same_logits(alone, batch):
+    assert torch.allclose(alone, batch, atol=1e-5), f"padding moved logits by {(alone - batch).abs().max()}"
+    assert torch.equal(alone.argmax(-1), batch.argmax(-1))
+
+
+def weights(path):
+    return load_file(path / "model.safetensors" if path.is_dir() else path)
+
+
+# --- Decoders as sequence classifiers ---------------------------------------------------------------------------
+
+
+def test_a_tokenizer_without_padding_pads_with_eos_on_the_right(tiny_decoders, tmp_path):
+    for layout, folder in tiny_decoders.items():
+        assert AutoTokenizer.from_pretrained(folder).pad_token is None, layout
+        tokenizer = load_tokenizer(str(folder))
+        assert tokenizer.pad_token == tokenizer.eos_token and tokenizer.padding_side == "right", layout
+        assert len(tokenizer) == AutoConfig.from_pretrained(folder).vocab_size, "no new token, no embedding resize"
+    # A tokenizer shipped with left padding (as some chat models' are) is turned to the right.
+    AutoTokenizer.from_pretrained(tiny_decoders["llama"], padding_side="left").save_pretrained(tmp_path)
+    assert load_tokenizer(str(tmp_path)).padding_side == "right"
+
+
+def test_max_length_from_the_model_positions_when_the_tokenizer_has_no_limit(tiny_decoders):
+    tokenizer = load_tokenizer(str(tiny_decoders["qwen2"]))
+    assert tokenizer.model_max_length > 10**9, "the 'no limit' sentinel"
+    assert resolve_max_length(None, tokenizer) == 128
+    assert resolve_max_length(None, tokenizer, AutoConfig.from_pretrained(tiny_decoders["qwen2"])) == 64
+    assert resolve_max_length(None, tokenizer, AutoConfig.from_pretrained(tiny_decoders["gpt2"])) == 64  # n_positions
+    long_config = AutoConfig.from_pretrained(tiny_decoders["llama"], max_position_embeddings=131072)
+    assert resolve_max_length(None, tokenizer, long_config) == 128
+    assert resolve_max_length(4096, tokenizer, long_config) == 4096
+    with pytest.raises(UserError, match="--max_length 65 is more than the model's 64 positions; use 64 or less"):
+        resolve_max_length(65, tokenizer, AutoConfig.from_pretrained(tiny_decoders["llama"]))
+
+
+@pytest.mark.parametrize("layout", DECODER_LAYOUTS)
+def test_a_text_gets_the_same_logits_alone_and_padded_in_a_batch(tiny_decoders, data, tmp_path, layout):
+    """For the model train.py trains and for the folder it saves, read with plain from_pretrained."""
+    model, tokenizer = built(tiny_decoders[layout])
+    assert model.config.pad_token_id == tokenizer.pad_token_id == tokenizer.eos_token_id
+    assert_same_logits(*logits_alone_and_in_a_batch(model, tokenizer))
+    if layout == "gpt2":  # learned absolute positions: the check fails with left padding, as it should
+        tokenizer.padding_side = "left"
+        alone, batch = logits_alone_and_in_a_batch(model, tokenizer)
+        assert not torch.allclose(alone, batch, atol=1e-3)
+
+    out = tmp_path / "out"
+    results = run_train(*train_args(tiny_decoders[layout], *data, out, "--max_train_steps", "3"))
+    assert results["trainable_parameters"] == results["total_parameters"] == model.num_parameters()
+    saved = AutoModelForSequenceClassification.from_pretrained(out)
+    saved_tokenizer = AutoTokenizer.from_pretrained(out)
+    assert saved_tokenizer.pad_token == saved_tokenizer.eos_token and saved_tokenizer.padding_side == "right"
+    assert saved.config.pad_token_id == saved_tokenizer.pad_token_id
+    assert saved.config.id2label == {0: "negative", 1: "positive"}
+    assert_same_logits(*logits_alone_and_in_a_batch(saved, saved_tokenizer))
+
+
+# --- LoRA -------------------------------------------------------------------------------------------------------
+
+
+def test_lora_adapts_every_linear_layer_of_the_backbone_and_trains_the_head_in_full(tiny_decoders, tiny_model):
+    for folder, head in (
+        (tiny_decoders["llama"], "score"),
+        (tiny_decoders["gpt2"], "score"),
+        (tiny_model, "classifier"),
+    ):
+        plain, _ = built(folder)
+        prefix = plain.base_model_prefix + "."
+        linears = {
+            n for n, m in plain.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D)) and n.startswith(prefix)
+        }
+        model, _ = built(folder, "--use_peft", "--lora_r", "4")
+        assert head_modules(model.get_base_model()) == [head]
+        adapted = {n.removeprefix("base_model.model.") for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+        assert adapted == linears, folder
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert all(".lora_" in n or f"{head}.modules_to_save." in n for n in trainable)
+        assert any(f"{head}.modules_to_save." in n for n in trainable), "the head is trained in full"
+
+
+def test_frozen_weights_keep_the_checkpoint_dtype_under_mixed_precision(tiny_decoders, tmp_path):
+    """Trainable weights are fp32 everywhere; a bf16 checkpoint's frozen weights stay bf16 under LoRA + autocast."""
+    bf16 = tmp_path / "bf16"
+    AutoModelForSequenceClassification.from_pretrained(tiny_decoders["llama"], dtype=torch.bfloat16).save_pretrained(
+        bf16
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_decoders["llama"] / name, bf16 / name)
+
+    def dtypes(*argv, mixed_precision):
+        model, _ = built(bf16, *argv, mixed_precision=mixed_precision)
+        trainable = {p.dtype for p in model.parameters() if p.requires_grad}
+        # (peft keeps the new head's initial weights too, as `original_module`: fp32 like the trained copy.)
+        frozen = {p.dtype for n, p in model.named_parameters() if not p.requires_grad and "original_module" not in n}
+        return trainable, frozen
+
+    assert dtypes("--use_peft", mixed_precision="bf16") == ({torch.float32}, {torch.bfloat16})
+    assert dtypes("--use_peft", mixed_precision="no") == ({torch.float32}, {torch.float32})
+    assert dtypes(mixed_precision="bf16") == ({torch.float32}, set()), "full fine-tuning: fp32 master weights"
+
+
+def test_lora_output_checkpoints_resume_and_evaluation(tiny_decoders, data, tmp_path):
+    """One LoRA run (with dropout): what it saves, how it loads, and an exact resume from its first checkpoint."""
+    base, out = tiny_decoders["llama"], tmp_path / "lora"
+    lora = ("--use_peft", "--lora_r", "4", "--checkpointing_steps", "5", "--logging_steps", "1", "--max_length", "9")
+    results = run_train(*train_args(base, *data, out, *lora))
+
+    # The output: adapter and head, config (labels, pad token) and tokenizer; no copy of the base model.
+    files = {p.name for p in out.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "config.json", "tokenizer.json"} <= files
+    assert "model.safetensors" not in files
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert sum(t.numel() for t in adapter.values()) == results["trainable_parameters"] < results["total_parameters"]
+    assert any("score" in key for key in adapter), "the head is saved with the adapter"
+    assert (out / "adapter_model.safetensors").stat().st_size < (base / "model.safetensors").stat().st_size / 2
+    checkpoint = weights(out / "checkpoint-5")
+    assert all(".lora_" in key or ".modules_to_save." in key for key in checkpoint), "only the trainable weights"
+    assert sum(t.numel() for t in checkpoint.values()) == results["trainable_parameters"]
+
+    # The README's line for inference, with plain libraries: labels and pad token come from the folder.
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(
+        AutoModelForSequenceClassification.from_pretrained(base, config=AutoConfig.from_pretrained(out)), out
+    )
+    assert model.config.id2label == {0: "negative", 1: "positive"} and model.config.pad_token_id is not None
+    assert_same_logits(*logits_alone_and_in_a_batch(model, AutoTokenizer.from_pretrained(out)))
+
+    # evaluate.py takes the folder and reproduces the run's final metrics (texts cut at the run's --max_length).
+    metrics = run_evaluate(out, data[1], tmp_path / "eval")
+    assert metrics == {k: v for k, v in results.items() if k.startswith("eval_")}
+
+    # A fresh folder with only the first checkpoint, resumed: bit for bit the uninterrupted run.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoint-5", resumed / "checkpoint-5")
+    run_train(*train_args(base, *data, resumed, *lora, "--resume_from_checkpoint", str(resumed / "checkpoint-5")))
+    again = load_file(resumed / "adapter_model.safetensors")
+    assert all(torch.equal(adapter[k], again[k]) for k in adapter)
+
+    def losses(folder, after=0):
+        records = map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+        return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in records if r["step"] > after]
+
+    assert losses(resumed) == losses(out, after=5)
+
+
+def test_merged_lora_output_is_a_plain_model(tiny_decoders, data, tmp_path):
+    out = tmp_path / "merged"
+    results = run_train(*train_args(tiny_decoders["gpt2"], *data, out, "--use_peft", "--merge_lora"))
+    assert not list(out.glob("adapter*")) and (out / "model.safetensors").exists()
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    assert type(model).__name__ == "GPT2ForSequenceClassification"
+    assert model.config.id2label == {0: "negative", 1: "positive"} and "lora" not in str(list(weights(out)))
+    metrics = run_evaluate(out, data[1], tmp_path / "eval")
+    assert metrics["eval_accuracy"] == results["eval_accuracy"]
+    assert metrics["eval_loss"] == pytest.approx(results["eval_loss"], abs=1e-5)  # merging rounds: W + BA
+
+
+def test_lora_flags_are_checked(tiny_decoders, data, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        flags("--merge_lora")
+    assert "--merge_lora merges a LoRA adapter into the model: it needs --use_peft" in capsys.readouterr().err
+    args = train_args(tiny_decoders["llama"], *data, tmp_path / "out", "--use_peft", "--lora_target_modules", "qkv")
+    with pytest.raises(UserError, match="--lora_target_modules qkv: No modules were targeted.*; name linear layers"):
+        run_train(*args)
+    defaults = flags()
+    assert (defaults.lora_r, defaults.lora_alpha, defaults.lora_dropout) == (16, 32, 0.05)
+    assert defaults.lora_target_modules == "all-linear" and not defaults.use_peft
+
+
+# --- Memory -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradient_checkpointing_changes_no_result(tiny_decoders, data, tmp_path, lora):
+    model, _ = built(tiny_decoders["llama"], "--gradient_checkpointing", *(["--use_peft"] if lora else []))
+    assert (model.get_base_model() if lora else model).is_activation_checkpointing
+    extra = ("--max_train_steps", "4", "--logging_steps", "1", *(["--use_peft"] if lora else []))  # LoRA dropout on
+    plain = run_train(*train_args(tiny_decoders["llama"], *data, tmp_path / "plain", *extra))
+    checkpointed = run_train(
+        *train_args(tiny_decoders["llama"], *data, tmp_path / "gc", *extra, "--gradient_checkpointing")
+    )
+
+    def losses(folder):
+        return [r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    assert losses(tmp_path / "gc") == pytest.approx(losses(tmp_path / "plain"), abs=1e-6)
+    assert checkpointed["eval_loss"] == pytest.approx(plain["eval_loss"], abs=1e-6)
+
+
+def test_next_smaller_batch_size_keeps_the_total_exact():
+    def sizes(requested):
+        found = [requested]
+        while found[-1]:
+            found.append(next_smaller(found[-1], requested))
+        return found
+
+    assert sizes(32) == [32, 16, 8, 4, 2, 1, 0]
+    assert sizes(12) == [12, 6, 3, 1, 0]
+    assert sizes(10) == [10, 5, 2, 1, 0]
+    assert sizes(7) == [7, 1, 0]
+
+
+def test_auto_batch_size_backs_off_keeps_the_total_and_its_size_on_resume(
+    tiny_model, data, tmp_path, monkeypatch, caplog
+):
+    """On the tiny BERT, which has dropout: the probe must leave no trace in the run (RNG, gradients)."""
+    common = ("--max_train_steps", "4", "--checkpointing_steps", "2")
+    monkeypatch.setattr(PreTrainedModel, "__call__", out_of_memory_above(2), raising=False)
+    auto = run_train(*train_args(tiny_model, *data, tmp_path / "auto", *common, "--auto_find_batch_size"))
+    assert "8 examples of up to" in caplog.text
+    assert "--per_device_train_batch_size 2 and --gradient_accumulation_steps 4 (was 8 and 1)" in caplog.text
+    saved = json.loads((tmp_path / "auto" / "args.json").read_text())
+    assert (saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"]) == (2, 4)
+    assert auto["total_train_batch_size"] == 8 and auto["global_step"] == 4
+
+    explicit = ("--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4")
+    run_train(*train_args(tiny_model, *data, tmp_path / "explicit", *common, *explicit))
+    a, b = weights(tmp_path / "auto"), weights(tmp_path / "explicit")
+    assert all(torch.equal(a[k], b[k]) for k in a), "the same run as asking for 2 x 4"
+
+    # Resumed on a machine with more memory, the run keeps the size it started with (and the same batches).
+    monkeypatch.undo()
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "auto" / "checkpoint-2", resumed / "checkpoint-2")
+    run_train(*train_args(tiny_model, *data, resumed, *common, "--auto_find_batch_size", "--resume_from_checkpoint",
+                          str(resumed / "checkpoint-2")))  # fmt: skip
+    c = weights(resumed)
+    assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_auto_batch_size_refusals(tiny_model, data, tmp_path, monkeypatch):
+    monkeypatch.setattr(PreTrainedModel, "__call__", out_of_memory_above(0), raising=False)
+    with pytest.raises(UserError, match="--auto_find_batch_size: even 1 example of \\d+ tokens per device runs out"):
+        run_train(*train_args(tiny_model, *data, tmp_path / "out", "--auto_find_batch_size"))
+    for engine in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        with pytest.raises(UserError, match=f"cannot probe memory under {engine.value}.*set --per_device_train"):
+            fit_batch_size(flags(), SimpleNamespace(distributed_type=engine), None, None, None, TASK)
+
+
+# --- Two real processes -----------------------------------------------------------------------------------------
+
+
+def test_full_fine_tuning_on_two_ranks_where_one_runs_out_of_memory(tiny_decoders, data, tmp_path, monkeypatch):
+    """Rank 1 fits only 2 of the 4 examples asked for: both ranks train with 2 x 2 accumulation, like one rank
+    with 4 x 2, and the decoder's padding token reaches the saved folder."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    args = train_args(
+        tiny_decoders["llama"], *data, two, "--per_device_train_batch_size", "4", "--auto_find_batch_size"
+    )
+    monkeypatch.setenv("FAKE_OOM", "1:2")
+    result = launch("tests/fake_oom.py", args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert "rank 1: simulated out of memory" in log and "rank 0: simulated" not in log
+    assert log.count("--per_device_train_batch_size 2 and --gradient_accumulation_steps 2") == 1
+
+    run_train(*train_args(tiny_decoders["llama"], *data, one, "--per_device_train_batch_size", "4",
+                          "--gradient_accumulation_steps", "2"))  # fmt: skip
+    results = json.loads((two / "all_results.json").read_text())
+    assert results["num_processes"] == 2 and results["total_train_batch_size"] == 8
+    assert results["trainable_parameters"] == results["total_parameters"]
+    a, b = weights(one), weights(two)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-5, f"weights differ by up to {worst}"
+    assert AutoConfig.from_pretrained(two).pad_token_id == AutoTokenizer.from_pretrained(two).pad_token_id == 2
+
+
+def test_lora_on_two_ranks_matches_one_rank_and_resumes_exactly(tiny_decoders, data, tmp_path):
+    """With gradient accumulation and checkpointing; no LoRA dropout, whose random draws differ between 1 and 2
+    ranks. 2 ranks x 2 examples x 2 accumulation steps see the same examples in each update as 1 x 4 x 2."""
+    base = tiny_decoders["qwen2"]
+    lora = ("--use_peft", "--lora_r", "4", "--lora_dropout", "0", "--gradient_checkpointing", "--max_train_steps", "7",
+            "--checkpointing_steps", "3", "--gradient_accumulation_steps", "2",
+            "--per_device_train_batch_size", "2")  # fmt: skip
+    two = tmp_path / "two"
+    result = launch("train.py", train_args(base, *data, two, *lora))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (two / "model.safetensors").exists() and (two / "adapter_model.safetensors").exists()
+    adapter = load_file(two / "adapter_model.safetensors")
+    assert all(".lora_" in key or "score" in key for key in weights(two / "checkpoint-3"))
+
+    one = tmp_path / "one"
+    run_train(*train_args(base, *data, one, *lora[:-2], "--per_device_train_batch_size", "4"))
+    single = load_file(one / "adapter_model.safetensors")
+    worst = max((adapter[k] - single[k]).abs().max().item() for k in adapter)
+    assert worst < 1e-5, f"adapters differ by up to {worst}"
+    final = json.loads((two / "all_results.json").read_text())
+    metrics = run_evaluate(two, data[1], tmp_path / "eval")
+    assert metrics["eval_accuracy"] == final["eval_accuracy"]
+    assert metrics["eval_loss"] == pytest.approx(final["eval_loss"], abs=1e-6)  # 2 ranks' sums in another order
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(two / "checkpoint-3", resumed / "checkpoint-3")
+    result = launch("train.py", train_args(base, *data, resumed, *lora, "--resume_from_checkpoint", "latest"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    again = load_file(resumed / "adapter_model.safetensors")
+    assert all(torch.equal(adapter[k], again[k]) for k in adapter), "bit for bit the uninterrupted run"
+
+
+def test_the_random_llm_builder_makes_what_train_py_reads(tmp_path, monkeypatch):
+    """examples/make_random_llm.py, at its tiny size: a Llama-layout model, no padding token, labelled long texts."""
+    import importlib.util
+    import sys
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("make_random_llm", REPO / "examples" / "make_random_llm.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    argv = ["make_random_llm.py", "--size", "tiny", "--output", str(tmp_path / "m"), "--data", str(tmp_path / "d")]
+    monkeypatch.setattr(sys, "argv", [*argv, "--words", "40", "--rows", "10"])
+    builder.main()
+    assert AutoTokenizer.from_pretrained(tmp_path / "m").pad_token is None
+    model, tokenizer = built(tmp_path / "m")
+    assert type(model).__name__ == "LlamaForSequenceClassification" and tokenizer.pad_token == "<|end_of_text|>"
+    rows = list(csv.DictReader((tmp_path / "d" / "train.csv").read_text().splitlines()))
+    assert len(rows) == 10 and all(len(row["sentence"].split()) >= 40 for row in rows)
+    assert {row["label"] for row in rows} <= {"negative", "positive"}
+    assert tokenizer.unk_token_id not in tokenizer(rows[0]["sentence"])["input_ids"], "the tokenizer knows every word"
