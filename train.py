@@ -116,7 +116,7 @@ def main(args):
     pad_to_multiple_of = 8 if accelerator.device.type == "cuda" else None  # tensor cores want multiples of 8
     train_dataloader = build_train_dataloader(
         train_dataset, tokenizer, args.per_device_train_batch_size, accelerator.num_processes, args.seed,
-        args.group_by_length, pad_to_multiple_of,
+        args.group_by_length, pad_to_multiple_of, accelerator.gradient_accumulation_steps,
     )  # fmt: skip
     eval_dataloader = build_eval_dataloader(
         eval_dataset, tokenizer, args.per_device_eval_batch_size, pad_to_multiple_of

@@ -173,8 +173,9 @@ class LengthGroupedSampler(Sampler[int]):
     """A shuffle in which consecutive batches hold examples of similar length, fresh for each epoch.
 
     The order depends only on (seed, epoch): a resumed run gets the same batches, and every rank computes
-    the same order (accelerate then deals the batches out). `batch_size` is the global batch (per device x
-    processes) so that 2 ranks x 4 and 1 rank x 8 see the same examples in each optimizer step.
+    the same order (accelerate then deals the batches out). `batch_size` is one optimizer update's examples
+    (per device x processes x accumulation) so that 2 ranks x 4, 1 rank x 4 accumulated twice and 1 rank x 8
+    see the same examples in each optimizer step (up to the short batch that ends an uneven epoch).
     """
 
     def __init__(self, lengths: list[int], batch_size: int, seed: int, group_by_length: bool = True, groups: int = 16):
@@ -212,9 +213,17 @@ class LengthGroupedSampler(Sampler[int]):
 
 
 def build_train_dataloader(
-    dataset: Dataset, tokenizer, batch_size, num_processes, seed, group_by_length=True, pad_to_multiple_of=None
+    dataset: Dataset,
+    tokenizer,
+    batch_size,
+    num_processes,
+    seed,
+    group_by_length=True,
+    pad_to_multiple_of=None,
+    accumulation=1,
 ) -> DataLoader:
-    sampler = LengthGroupedSampler(dataset[LENGTH_COLUMN], batch_size * num_processes, seed, group_by_length)
+    update = batch_size * num_processes * accumulation  # the examples of one optimizer step
+    sampler = LengthGroupedSampler(dataset[LENGTH_COLUMN], update, seed, group_by_length)
     return DataLoader(
         dataset.remove_columns([INDEX_COLUMN, LENGTH_COLUMN]),
         batch_size=batch_size,
