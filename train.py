@@ -174,6 +174,11 @@ def main(args):
             "global_step": state["global_step"],
         }
         save_final(args, accelerator, model, tokenizer, results)
+    # DDP's reducer holds the process group. Freed after end_training() destroyed the group, it tears gloo down
+    # while holding the GIL, which can deadlock with gloo's worker thread (seen: a finished rank that never exited).
+    del model
+    accelerator.free_memory()
+    accelerator.end_training()
     summary = ", ".join(f"{k} = {v:.4f}" for k, v in eval_metrics.items() if k != "eval_samples")
     logger.info(f"Done in {results['train_runtime']:.0f}s: {summary}")
     logger.info(f"Model, all_results.json, metrics.jsonl and training_curves.png are in {args.output_dir.resolve()}")
@@ -362,7 +367,6 @@ def save_final(args, accelerator, model, tokenizer, results: dict):
         tokenizer.save_pretrained(args.output_dir)
         write_json(args.output_dir / "all_results.json", results)
         plot_training_curves(read_jsonl(args.output_dir / "metrics.jsonl"), args.output_dir / "training_curves.png")
-    accelerator.end_training()
 
 
 if __name__ == "__main__":
