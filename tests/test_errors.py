@@ -67,13 +67,13 @@ def test_unreachable_hub_dataset_is_named(tmp_path, tiny_model):
         train.main(train.parse_train_args(args))
 
 
-def test_labels_the_model_does_not_know(tmp_path, tiny_model, tiny_data):
-    out = tmp_path / "out"
-    train.main(train.parse_train_args(train_args(tiny_model, *tiny_data, out, "--num_train_epochs", "1")))
+def test_labels_the_model_does_not_know(tmp_path, trained_tiny_model):
     data = write_rows(tmp_path / "other.csv", [{"sentence": "fine", "label": "neutral"}])
-    args = evaluate_script.parse_eval_args(["--model_name_or_path", str(out), "--validation_file", str(data)])
+    args = evaluate_script.parse_eval_args(["--model_name_or_path", str(trained_tiny_model), "--validation_file",
+                                            str(data), "--output_dir", str(tmp_path / "e")])  # fmt: skip
     with pytest.raises(evaluate_script.UserError, match="neutral in column 'label' are not among the model's labels"):
         evaluate_script.main(args)
+    assert not (tmp_path / "e").exists()
 
 
 def test_missing_labels_in_training_data(tmp_path, tiny_model):
