@@ -14,6 +14,7 @@ evaluate_script = load_script("evaluate")
 
 
 def run_script(*argv):
+    """A real process: what a user sees is its stderr and exit status, which only a command line shows."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
 
@@ -41,6 +42,7 @@ def test_flag_mistake_is_one_line(tmp_path):
 
 
 def test_an_error_on_every_rank_stops_them_all_promptly(tmp_path, tiny_model):
+    """Real ranks: rank 0 finds the mistake inside main_process_first while rank 1 waits for it there."""
     train_file = write_rows(
         tmp_path / "train.csv", [{"review": r["sentence"], "y": r["label"]} for r in sentiment_rows(16)]
     )
