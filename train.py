@@ -120,7 +120,7 @@ def main(args):
         fit_batch_size(args, accelerator, model, train_dataset, tokenizer, task, resume_path, pad_to_multiple_of)
     train_dataloader = build_train_dataloader(
         train_dataset, tokenizer, args.per_device_train_batch_size, accelerator.num_processes, args.seed,
-        args.group_by_length, pad_to_multiple_of,
+        args.group_by_length, pad_to_multiple_of, accelerator.gradient_accumulation_steps,
     )  # fmt: skip
     eval_dataloader = build_eval_dataloader(
         eval_dataset, tokenizer, args.per_device_eval_batch_size, pad_to_multiple_of
@@ -185,6 +185,11 @@ def main(args):
             "total_parameters": total_parameters,
         }
         save_final(args, accelerator, model, tokenizer, results)
+    # DDP's reducer holds the process group. Freed after end_training() destroyed the group, it tears gloo down
+    # while holding the GIL, which can deadlock with gloo's worker thread (seen: a finished rank that never exited).
+    del model
+    accelerator.free_memory()
+    accelerator.end_training()
     summary = ", ".join(f"{k} = {v:.4f}" for k, v in eval_metrics.items() if k != "eval_samples")
     logger.info(f"Done in {results['train_runtime']:.0f}s: {summary}")
     logger.info(f"Model, all_results.json, metrics.jsonl and training_curves.png are in {args.output_dir.resolve()}")
@@ -370,7 +375,6 @@ def save_final(args, accelerator, model, tokenizer, results: dict):
         tokenizer.save_pretrained(args.output_dir)
         write_json(args.output_dir / "all_results.json", results)
         plot_training_curves(read_jsonl(args.output_dir / "metrics.jsonl"), args.output_dir / "training_curves.png")
-    accelerator.end_training()
 
 
 if __name__ == "__main__":

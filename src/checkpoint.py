@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from accelerate.utils import RNG_STATE_NAME, load
 
 from src.errors import UserError
 
@@ -124,6 +125,9 @@ def load_checkpoint(accelerator, path: Path, args) -> dict:
             f"{accelerator.num_processes}; resume with the same number so the data order continues exactly"
         )
     try:
+        # load_state skips an unreadable RNG state file with a note on the main process only, and the run goes on
+        # no longer exact: read this rank's first, so that a damaged one is an error.
+        load(path / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl")
         accelerator.load_state(str(path))
     except Exception as err:  # torch, safetensors and pickle each raise their own types for a damaged file
         raise UserError(

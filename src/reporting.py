@@ -59,8 +59,11 @@ def pyplot():
     return matplotlib.pyplot
 
 
-def plot_training_curves(records: list[dict], path: Path):
-    """Training loss, learning rate and every eval_* metric against the optimizer step, one panel each."""
+def plot_training_curves(records: list[dict], path: Path) -> dict[str, tuple[list, list]]:
+    """Training loss, learning rate and every eval_* metric against the optimizer step, one panel each.
+
+    Returns what the figure shows, read back from it: {panel title: (steps, values)}.
+    """
     plt = pyplot()
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if any(k.startswith("eval_") for k in r)]
@@ -83,10 +86,18 @@ def plot_training_curves(records: list[dict], path: Path):
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+    return {
+        ax.get_title(): (list(map(float, line.get_xdata())), list(map(float, line.get_ydata())))
+        for ax in axes.flat
+        for line in ax.lines
+    }
 
 
-def plot_confusion_matrix(labels: list[int], predictions: list[int], names: list[str], path: Path):
-    """Counts of true (rows) against predicted (columns) classes, with the class names on both axes."""
+def plot_confusion_matrix(labels: list[int], predictions: list[int], names: list[str], path: Path) -> list[list[int]]:
+    """Counts of true (rows) against predicted (columns) classes, with the class names on both axes.
+
+    Returns the counts the picture shows, read back from it.
+    """
     plt = pyplot()
     size = len(names)
     counts = [[0] * size for _ in range(size)]
@@ -111,10 +122,14 @@ def plot_confusion_matrix(labels: list[int], predictions: list[int], names: list
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+    return image.get_array().tolist()
 
 
-def plot_regression(labels: list[float], predictions: list[float], path: Path):
-    """Predicted against true values, with the diagonal where they would be equal."""
+def plot_regression(labels: list[float], predictions: list[float], path: Path) -> list[list[float]]:
+    """Predicted against true values, with the diagonal where they would be equal.
+
+    Returns the (true, predicted) points the picture shows, read back from it.
+    """
     plt = pyplot()
     figure, ax = plt.subplots(figsize=(5, 5))
     ax.scatter(labels, predictions, s=8, alpha=0.5)
@@ -128,6 +143,7 @@ def plot_regression(labels: list[float], predictions: list[float], path: Path):
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+    return ax.collections[0].get_offsets().tolist()
 
 
 class ThroughputWindow:

@@ -15,6 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_CONFIG = REPO / "accelerate_configs" / "cpu.yaml"
+SST2 = REPO.parent / "shared" / "data" / "sst2"  # real data beside the clone (CI puts it there); never copied in
 
 
 @pytest.fixture(autouse=True)
@@ -103,6 +104,14 @@ def sentiment_rows(count: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def score_rows(count: int, seed: int = 0) -> list[dict]:
+    """Text pairs with a float score (a regression task) that follows the sentiment of the first text."""
+    return [
+        {"sentence1": r["sentence"], "sentence2": "so so", "score": float(r["label"] == "positive") + (i % 3) / 4}
+        for i, r in enumerate(sentiment_rows(count, seed))
+    ]
+
+
 @pytest.fixture
 def tiny_data(tmp_path) -> tuple[Path, Path]:
     """(train.csv with 64 rows, dev.csv with 37 rows): string labels, an uneven validation size."""
@@ -163,16 +172,30 @@ def launch(script: str, args: list[str], num_processes: int = 2, timeout: int = 
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+# The 2-rank reference run's settings beyond train_args: 2 ranks x 4 (the 1-rank twin uses 8), evaluation every 3
+# steps, the best model by the *highest* eval loss (so an early evaluation is the best and "final = best" can fail),
+# early stopping after 3 evaluations without improvement (in epoch 2), checkpoints every 2 steps rotated to 2.
+TWO_RANK_FLAGS = ["--logging_steps", "1", "--eval_steps", "3", "--metric_for_best_model", "loss", "--greater_is_better",
+                  "--load_best_model_at_end", "--early_stopping_patience", "3", "--checkpointing_steps", "2",
+                  "--save_total_limit", "2"]  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def two_rank_run(tmp_path_factory, tiny_model_no_dropout):
-    """One 2-process training run (4 rows per rank), shared by the tests that compare other setups with it."""
+    """One 2-process training run (4 rows per rank, dropout 0), shared by the tests that check what 2 ranks do.
+
+    Real ranks (not in-process): DDP gradient averaging, sharding, gather_for_metrics, one writer, the early-stop
+    and best-model decisions taken on every rank alike, and the saved weights of a wrapped model. To reproduce it
+    elsewhere: train_args(*run["args"], output_dir, *run["flags"]).
+    """
     folder = tmp_path_factory.mktemp("two-ranks")
     train_file = write_rows(folder / "train.csv", sentiment_rows(64, seed=1))
     dev_file = write_rows(folder / "dev.csv", sentiment_rows(21, seed=2))
     args = [str(tiny_model_no_dropout), train_file, dev_file]
-    result = launch("train.py", train_args(*args, folder / "out", "--per_device_train_batch_size", "4"))
+    flags = ["--per_device_train_batch_size", "4", *TWO_RANK_FLAGS]
+    result = launch("train.py", train_args(*args, folder / "out", *flags))
     assert result.returncode == 0, result.stderr[-3000:]
-    return {"args": args, "output_dir": folder / "out", "log": result.stdout + result.stderr}
+    return {"args": args, "flags": flags, "output_dir": folder / "out", "log": result.stdout + result.stderr}
 
 
 # Tiny random decoders in the layouts people fine-tune today. Their tokenizers, like Llama's and GPT-2's, have no
@@ -233,3 +256,71 @@ def make_tiny_decoder(folder: Path, layout: str) -> Path:
 @pytest.fixture(scope="session")
 def tiny_decoders(tmp_path_factory) -> dict[str, Path]:
     return {layout: make_tiny_decoder(tmp_path_factory.mktemp(f"tiny-{layout}"), layout) for layout in DECODER_LAYOUTS}
+
+
+def run_in_process(script, argv: list[str]):
+    """train.py's or evaluate.py's main() in this process, leaving no Accelerate state behind (for fixtures)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    module = load_script(script)
+    parse = module.parse_train_args if script == "train" else module.parse_eval_args
+    try:
+        return module.main(parse(argv))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_model(tmp_path_factory, tiny_model) -> Path:
+    """A train.py output folder (1 epoch of the tiny BERT on 48 rows, string labels negative/positive), for the
+    tests that evaluate a trained model. Read-only: evaluate it with --output_dir elsewhere."""
+    folder = tmp_path_factory.mktemp("trained")
+    train_file = write_rows(folder / "train.csv", sentiment_rows(48, seed=3))
+    dev_file = write_rows(folder / "dev.csv", sentiment_rows(16, seed=4))
+    run_in_process("train", train_args(tiny_model, train_file, dev_file, folder / "model", "--num_train_epochs", "1"))
+    return folder / "model"
+
+
+def reference_logits(model_dir: Path, texts: list[str], pairs: list[str] | None = None):
+    """The saved model's logits, one example at a time with plain transformers: no padding, no batching, nothing
+    from src/ or the scripts, to check what train.py and evaluate.py report against."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        return torch.cat(
+            [
+                model(**tokenizer(text, pairs[i] if pairs else None, truncation=True, return_tensors="pt")).logits
+                for i, text in enumerate(texts)
+            ]
+        )
+
+
+def tensor_names(path: Path) -> set[str]:
+    """Every tensor name in a safetensors file's header."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as file:
+        return set(file.keys())
+
+
+@pytest.fixture(scope="session")
+def two_rank_dropout_run(tmp_path_factory, tiny_model):
+    """A 2-process regression run on text pairs with dropout 0.1 (4 rows per rank, checkpoints every 4 steps).
+
+    Real ranks: regression predictions gathered from 2 ranks, and dropout under DDP, where each rank draws
+    masks from the same seeded stream for its own rows, so the run cannot equal 1 rank of 8. What holds instead:
+    it is reproducible from run to run (test_multinode starts it again on two 'machines') and it differs from
+    the same run without dropout (test_distributed).
+    """
+    folder = tmp_path_factory.mktemp("two-ranks-dropout")
+    train_file = write_rows(folder / "train.jsonl", score_rows(64, seed=1))
+    dev_file = write_rows(folder / "dev.parquet", score_rows(21, seed=2))
+    args = [str(tiny_model), train_file, dev_file]
+    flags = ["--per_device_train_batch_size", "4", "--label_column", "score", "--checkpointing_steps", "4"]
+    result = launch("train.py", train_args(*args, folder / "out", *flags))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"args": args, "flags": flags, "output_dir": folder / "out", "log": result.stdout + result.stderr}

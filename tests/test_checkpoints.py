@@ -1,12 +1,13 @@
-"""Checkpoints: rotation, best model, early stopping, refusals. Interrupted runs are in test_preemption.py."""
+"""Checkpoints: rotation, best model, saves cut short, refusals. Interrupted runs: test_preemption.py.
+
+Best model, rotation and early stopping on 2 ranks: test_distributed.py (the shared 2-rank run).
+"""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO, launch_command, load_script, sentiment_rows, train_args, write_rows
+import torch
+from conftest import load_script, sentiment_rows, train_args, write_rows
 from safetensors.torch import load_file
 
 train = load_script("train")
@@ -18,14 +19,6 @@ def data(tmp_path_factory):
     return write_rows(folder / "train.csv", sentiment_rows(64, seed=1)), write_rows(
         folder / "dev.csv", sentiment_rows(20, seed=2)
     )
-
-
-def run(num_processes, args):
-    command = [sys.executable, str(REPO / "train.py")] if num_processes == 1 else launch_command("train.py", [], 2)
-    result = subprocess.run([*command, *args], cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 def run_main(*argv):
@@ -48,15 +41,6 @@ def test_rotation_keeps_the_newest_and_the_best(tiny_model, data, tmp_path):
     assert json.loads((out / "all_results.json").read_text())["eval_loss"] == best["eval_loss"]
 
 
-def test_early_stopping_stops_every_rank_at_the_same_step(tiny_model, data, tmp_path):
-    out = tmp_path / "out"
-    # A learning rate this small changes no prediction: the second evaluation is no better than the first.
-    result = run(2, train_args(tiny_model, *data, out, "--learning_rate", "1e-12", "--eval_steps", "2",
-                               "--early_stopping_patience", "1", "--metric_for_best_model", "accuracy"))  # fmt: skip
-    assert json.loads((out / "all_results.json").read_text())["global_step"] == 4
-    assert "Early stopping at step 4" in result.stdout + result.stderr
-
-
 def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path):
     out = tmp_path / "out"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "epoch"))
@@ -69,29 +53,48 @@ def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path):
 
 
 def test_broken_checkpoints_get_a_clear_error(tiny_model, data, tmp_path):
+    with pytest.raises(train.UserError, match="--resume_from_checkpoint latest: no complete checkpoint in"):
+        run_main(*train_args(tiny_model, *data, tmp_path / "new", "--resume_from_checkpoint", "latest"))
     out = tmp_path / "out"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "4"))
     args = train_args(tiny_model, *data, out, "--num_train_epochs", "1")
     with pytest.raises(train.UserError, match="no such folder"):
         run_main(*args, "--resume_from_checkpoint", str(tmp_path / "missing"))
     incomplete = out / "checkpoint-4"
-    (incomplete / "training_state.json").rename(tmp_path / "state.json")
+    state = (incomplete / "training_state.json").read_text()
+    (incomplete / "training_state.json").unlink()
     with pytest.raises(train.UserError, match="not a complete checkpoint"):
         run_main(*args, "--resume_from_checkpoint", str(incomplete))
-    (tmp_path / "state.json").rename(incomplete / "training_state.json")
+    (incomplete / "training_state.json").write_text(state[: len(state) // 2])  # cut short
+    with pytest.raises(train.UserError, match="training_state.json is unreadable or incomplete"):
+        run_main(*args, "--resume_from_checkpoint", str(incomplete))
+    (incomplete / "training_state.json").write_text(state)
     (incomplete / "model.safetensors").write_bytes(b"\0" * 100)
     with pytest.raises(train.UserError, match="checkpoint-4 cannot be loaded.*damaged"):
         run_main(*args, "--resume_from_checkpoint", str(incomplete))
 
 
-def test_partial_save_is_not_a_checkpoint(tiny_model, data, tmp_path):
-    """A folder left by a kill during saving is ignored by 'latest' and replaced by the next save."""
+def test_a_save_cut_short_is_ignored_and_replaced_by_the_next_one(tiny_model, data, tmp_path):
+    """A kill while saving checkpoint-8 leaves checkpoint-8.incomplete, here with its state file and junk in it:
+    'latest' resumes from checkpoint-4, and the resumed run's own save at step 8 replaces the leftover."""
     out = tmp_path / "out"
-    run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "4"))
-    (out / "checkpoint-6.incomplete").mkdir()
+    args = train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "4")
+    run_main(*args)
+    reference = {k: v.clone() for k, v in load_file(out / "checkpoint-8" / "model.safetensors").items()}  # not mmap
+    leftover = out / "checkpoint-8.incomplete"
+    (out / "checkpoint-8").rename(leftover)
+    (leftover / "model.safetensors").write_bytes(b"\0" * 100)
+    (leftover / "junk.bin").write_bytes(b"junk")
+    (out / "all_results.json").unlink()  # the killed run never got to its end
     from src.checkpoint import resolve_checkpoint
 
-    assert resolve_checkpoint("latest", out).name == "checkpoint-8"
+    assert resolve_checkpoint("latest", out).name == "checkpoint-4"
+    run_main(*args, "--resume_from_checkpoint", "latest")
+    assert not leftover.exists()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+    assert not (out / "checkpoint-8" / "junk.bin").exists()
+    saved = load_file(out / "checkpoint-8" / "model.safetensors")
+    assert all(torch.equal(saved[k], reference[k]) for k in reference), "steps 5-8 again, to the same weights"
 
 
 def test_diverging_loss_stops_with_the_step(tiny_model, data, tmp_path):

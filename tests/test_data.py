@@ -1,15 +1,19 @@
 """Loading local files, column detection, labels, tokenisation and the training sampler."""
 
 import pytest
+from accelerate.data_loader import prepare_data_loader, skip_first_batches
 from conftest import sentiment_rows, write_rows
+from datasets import Dataset
 from transformers import AutoTokenizer
 
 from src.data import (
     INDEX_COLUMN,
+    LENGTH_COLUMN,
     LengthGroupedSampler,
+    build_train_dataloader,
     detect_columns,
     load_file,
-    tokenize,  # fmt: skip
+    tokenize,
 )
 from src.demo_data import make_demo_splits
 from src.errors import UserError
@@ -85,7 +89,7 @@ def test_tokenize_maps_labels_and_refuses_unknown_ones(tmp_path, tiny_model):
 
 
 @pytest.mark.parametrize("group_by_length", [True, False])
-def test_sampler_gives_every_example_once_per_epoch_on_any_number_of_ranks(group_by_length):
+def test_sampler_gives_every_example_once_per_epoch(group_by_length):
     lengths = [(i * 7919) % 50 + 1 for i in range(203)]
     sampler = LengthGroupedSampler(lengths, batch_size=8, seed=3, group_by_length=group_by_length)
     orders = []
@@ -96,12 +100,52 @@ def test_sampler_gives_every_example_once_per_epoch_on_any_number_of_ranks(group
         orders.append(order)
         sampler.set_epoch(epoch)
         assert list(sampler) == order, "the same (seed, epoch) gives the same order: resume is exact"
-    assert orders[0] != orders[1] != orders[2], "re-shuffled every epoch"
-    # Two ranks: accelerate deals consecutive batches of 4 out in turn, so together they cover one global order.
-    batches = [orders[0][i : i + 4] for i in range(0, 203, 4)]
-    rank0 = [i for b in batches[0::2] for i in b]
-    rank1 = [i for b in batches[1::2] for i in b]
-    assert sorted(rank0 + rank1) == list(range(203)) and not set(rank0) & set(rank1)
+    assert len({tuple(order) for order in orders}) == 3, "re-shuffled every epoch: no two epochs alike"
+
+
+def indexed_dataset(count: int) -> Dataset:
+    """Tokenised-looking rows whose label is the row's number, so a batch tells which rows it holds."""
+    lengths = [(i * 7) % 11 + 2 for i in range(count)]
+    return Dataset.from_dict(
+        {
+            "input_ids": [[5] * n for n in lengths],
+            "attention_mask": [[1] * n for n in lengths],
+            "labels": list(range(count)),
+            LENGTH_COLUMN: lengths,
+            INDEX_COLUMN: list(range(count)),
+        }
+    )
+
+
+def rank_batches(dataset, tokenizer, per_device, num_processes, rank, epoch, skip=0) -> list[list[int]]:
+    """The rows of each batch that rank `rank` of `num_processes` trains on, sharded by accelerate itself with the
+    settings train.py's Accelerator uses (batches dealt out in turn, the last ones evened out)."""
+    loader = build_train_dataloader(dataset, tokenizer, per_device, num_processes, seed=7)
+    loader = prepare_data_loader(loader, num_processes=num_processes, process_index=rank, put_on_device=False)
+    loader.set_epoch(epoch)
+    return [batch["labels"].tolist() for batch in (skip_first_batches(loader, skip) if skip else loader)]
+
+
+@pytest.mark.parametrize("num_processes", [2, 3])
+def test_accelerate_shards_the_training_batches_like_one_large_batch(tiny_model, num_processes):
+    """45 rows, 4 per rank: each step's rows over all ranks are the 1-rank batch of 4 x N, except the short last one,
+    which accelerate fills up with the epoch's first rows so that every rank gets a full batch (even_batches)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    dataset, epochs = indexed_dataset(45), []
+    for epoch in (0, 1):
+        single = rank_batches(dataset, tokenizer, 4 * num_processes, 1, 0, epoch)
+        ranks = [rank_batches(dataset, tokenizer, 4, num_processes, r, epoch) for r in range(num_processes)]
+        assert len({len(batches) for batches in ranks}) == 1, "every rank takes the same number of steps"
+        steps = [sum((batches[step] for batches in ranks), []) for step in range(len(ranks[0]))]
+        assert len(steps) == len(single) == -(-45 // (4 * num_processes))
+        assert steps[:-1] == single[:-1]
+        short = single[-1]
+        assert len(short) < 4 * num_processes and steps[-1] == short + single[0][: 4 * num_processes - len(short)]
+        assert sorted({row for step in steps for row in step}) == list(range(45)), "no row left out"
+        # Resuming mid-epoch: the remaining batches of each rank, as train.py skips them.
+        assert rank_batches(dataset, tokenizer, 4, num_processes, 1, epoch, skip=2) == ranks[1][2:]
+        epochs.append(steps)
+    assert epochs[0] != epochs[1], "set_epoch on the prepared loader reaches the sampler"
 
 
 def test_length_grouping_cuts_padding():

@@ -1,4 +1,7 @@
-"""Really 2 (and 3) CPU processes under `accelerate launch --config_file accelerate_configs/cpu.yaml`."""
+"""Really 2 and 3 CPU processes: training under accelerate_configs/cpu.yaml, evaluation under three launchers.
+
+Each launch is shared by the tests that check different things about the same run (see the fixtures).
+"""
 
 import json
 import os
@@ -8,85 +11,212 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, launch, load_script, sentiment_rows, train_args, write_rows
+from conftest import (
+    REPO,
+    launch,
+    reference_logits,
+    run_in_process,
+    score_rows,
+    sentiment_rows,
+    tensor_names,
+    train_args,
+    write_rows,
+)
 from safetensors.torch import load_file
+from scipy.stats import pearsonr
+from transformers import AutoModelForSequenceClassification
 
-train = load_script("train")
+from src.errors import UserError
 
 
-def test_two_ranks_of_four_train_like_one_rank_of_eight(two_rank_run, tmp_path):
-    """Same examples in each update, gradients averaged over ranks: the same weights up to float rounding."""
-    one, two = tmp_path / "one", two_rank_run["output_dir"]
-    train.main(train.parse_train_args(train_args(*two_rank_run["args"], one)))
+def records(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
+
+def results(folder) -> dict:
+    return json.loads((folder / "all_results.json").read_text())
+
+
+def max_difference(a, b) -> float:
+    first, second = load_file(a), load_file(b)
+    assert first.keys() == second.keys()
+    return max((first[k] - second[k]).abs().max().item() for k in first)
+
+
+def checkpoints(folder) -> list[str]:
+    return sorted((p.name for p in folder.glob("checkpoint-*")), key=lambda name: int(name.split("-")[1]))
+
+
+@pytest.fixture(scope="module")
+def one_rank_twin(two_rank_run, tmp_path_factory):
+    """The 2-rank run on 1 rank of 8 rows (in this process): the same examples in every optimizer step."""
+    out = tmp_path_factory.mktemp("one-rank") / "out"
+    flags = [*two_rank_run["flags"], "--per_device_train_batch_size", "8"]
+    run_in_process("train", train_args(*two_rank_run["args"], out, *flags))
+    return out
+
+
+def test_two_ranks_of_four_train_like_one_rank_of_eight(two_rank_run, one_rank_twin):
+    """Gradients averaged over ranks, each rank its half of every batch: the same run up to float rounding."""
+    one, two = one_rank_twin, two_rank_run["output_dir"]
+    assert results(two)["num_processes"] == 2 and results(two)["total_train_batch_size"] == 8
+    assert results(two)["eval_samples"] == 21, "21 rows on 2 ranks: the repeat that evens them out is not counted"
+    assert results(two)["global_step"] == results(one)["global_step"]
+
+    # Every record (the training loss of each step, each evaluation) at the same step with the same values.
+    first, second = records(one), records(two)
+    assert [(r["step"], sorted(r)) for r in first] == [(r["step"], sorted(r)) for r in second]
+    for a, b in zip(first, second):
+        for key in ("loss", "learning_rate", "eval_loss", "eval_accuracy", "eval_f1"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], abs=1e-5), f"step {a['step']}: {key}"
+
+    # The final model (the best checkpoint's) and the newest checkpoint, saved in epoch 2.
+    newest = checkpoints(two)[-1]
+    assert checkpoints(one) == checkpoints(two)
+    for name in ("model.safetensors", f"{newest}/model.safetensors"):
+        worst = max_difference(one / name, two / name)
+        assert worst < 1e-4, f"{name}: weights differ by up to {worst}"  # measured: ~1e-6
+
+
+def test_two_ranks_write_each_file_once_with_plain_weight_names(two_rank_run, one_rank_twin, tiny_model_no_dropout):
+    one, two = one_rank_twin, two_rank_run["output_dir"]
     assert two_rank_run["log"].count("Running training") == 1, "only the main process logs"
-    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir()), "one copy of each file"
-    results = json.loads((two / "all_results.json").read_text())
-    assert results["num_processes"] == 2 and results["total_train_batch_size"] == 8 and results["eval_samples"] == 21
-    assert results["global_step"] == json.loads((one / "all_results.json").read_text())["global_step"] == 16
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+    # A second writer would append every record twice.
+    assert len(records(two)) == len(records(one))
 
-    a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
-    assert a.keys() == b.keys() and not any(k.startswith("module.") for k in b)
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst < 1e-4, f"weights differ by up to {worst}"  # measured: ~1e-6 after 16 AdamW steps
+    # The whole safetensors header holds the names of the model the run started from: nothing wrapped in DDP's
+    # `module.`, nothing missing or added, in the final model and in the checkpoints.
+    expected = tensor_names(tiny_model_no_dropout / "model.safetensors")
+    for path in [two / "model.safetensors", *sorted(two.glob("checkpoint-*/model.safetensors"))]:
+        names = tensor_names(path)
+        assert not [n for n in names if n.startswith("module.")], path
+        assert names == expected, path
+    model, info = AutoModelForSequenceClassification.from_pretrained(two, output_loading_info=True)
+    assert not any(info.values()), info
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+
+
+def test_best_model_rotation_and_early_stopping_on_two_ranks(two_rank_run):
+    """--greater_is_better with --metric_for_best_model loss: the *highest* eval loss is the best (on this data,
+    an early one), and three evaluations without a higher one stop the run (patience 3)."""
+    out, log = two_rank_run["output_dir"], two_rank_run["log"]
+    evaluations = [(r["step"], r["eval_loss"]) for r in records(out) if "eval_loss" in r]
+    steps = [step for step, _ in evaluations]
+    best_step, best_loss = max(evaluations, key=lambda e: e[1])
+    stop = steps[steps.index(best_step) + 3]
+    assert steps[-1] == stop and results(out)["global_step"] == stop, f"every rank stopped at once: {evaluations}"
+    assert f"Early stopping at step {stop}" in log
+    assert best_step < stop, "the final model is not simply the last one"
+
+    # Checkpoints every 2 steps, the newest 2 kept, and the best one never deleted.
+    periodic = [s for s in range(2, stop + 1, 2)]
+    assert checkpoints(out) == [f"checkpoint-{s}" for s in sorted({best_step, *periodic[-2:]})]
+    assert max_difference(out / "model.safetensors", out / f"checkpoint-{best_step}" / "model.safetensors") == 0.0
+    assert results(out)["eval_loss"] == best_loss
+
+
+def test_resume_on_another_number_of_processes_is_refused(two_rank_run, tmp_path):
+    """The data order depends on the number of ranks: a 2-rank checkpoint cannot continue exactly on 1."""
+    checkpoint = two_rank_run["output_dir"] / checkpoints(two_rank_run["output_dir"])[-1]
+    args = train_args(*two_rank_run["args"], tmp_path / "out", *two_rank_run["flags"])
+    with pytest.raises(UserError, match="written by 2 processes and this run has 1; resume with the same number"):
+        run_in_process("train", [*args, "--resume_from_checkpoint", str(checkpoint)])
+    assert not (tmp_path / "out").exists(), "nothing written"
+
+
+def test_regression_with_dropout_on_two_ranks(two_rank_dropout_run, tiny_model_no_dropout, tmp_path):
+    out = two_rank_dropout_run["output_dir"]
+    assert results(out)["num_processes"] == 2 and results(out)["eval_samples"] == 21
+
+    # What the 2 ranks gathered is the saved model's regression on every validation row, computed here row by row.
+    rows = score_rows(21, seed=2)
+    predicted = reference_logits(out, [r["sentence1"] for r in rows], [r["sentence2"] for r in rows]).squeeze(-1)
+    scores = torch.tensor([r["score"] for r in rows])
+    assert results(out)["eval_mse"] == pytest.approx(((predicted - scores) ** 2).mean().item(), rel=1e-4)
+    assert results(out)["eval_pearson"] == pytest.approx(pearsonr(scores, predicted).statistic, abs=1e-4)
+
+    # Dropout is on under DDP: the same run without dropout (on 1 rank of 8, which equals 2 of 4 without dropout,
+    # as tested above) ends elsewhere. That it is reproducible is tested by test_multinode, which runs it again.
+    flags = [*two_rank_dropout_run["flags"], "--per_device_train_batch_size", "8"]
+    _, train_file, dev_file = two_rank_dropout_run["args"]
+    run_in_process("train", train_args(tiny_model_no_dropout, train_file, dev_file, tmp_path / "no-dropout", *flags))
+    assert max_difference(out / "model.safetensors", tmp_path / "no-dropout" / "model.safetensors") > 1e-3
+
+
+# 45 rows, 3 ranks x 4: the global batches are 12, 12, 12 and a short one of 9. Accelerate (even_batches) gives
+# every rank a full batch by repeating the epoch's first 3 rows in that last step; the 1-rank twin trains on 9.
+UNEVEN = ["--no-group_by_length", "--logging_steps", "1", "--checkpointing_steps", "3"]
 
 
 @pytest.fixture(scope="module")
-def trained_model(tmp_path_factory, tiny_model):
-    folder = tmp_path_factory.mktemp("trained")
-    train_file = write_rows(folder / "train.csv", sentiment_rows(48, seed=3))
-    dev_file = write_rows(folder / "dev.csv", sentiment_rows(16, seed=4))
-    args = train_args(tiny_model, train_file, dev_file, folder / "model", "--num_train_epochs", "1")
-    train.main(train.parse_train_args(args))
-    return folder / "model"
+def three_ranks(tmp_path_factory, tiny_model_no_dropout):
+    """A real 3-rank DDP group on uneven data, and its 1-rank twin of 12 rows in this process."""
+    folder = tmp_path_factory.mktemp("three-ranks")
+    train_file = write_rows(folder / "train.csv", sentiment_rows(45, seed=5))
+    args = [tiny_model_no_dropout, train_file, write_rows(folder / "dev.csv", sentiment_rows(21, seed=6))]
+    result = launch("train.py", train_args(*args, folder / "three", *UNEVEN, "--per_device_train_batch_size", "4"), 3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_in_process("train", train_args(*args, folder / "one", *UNEVEN, "--per_device_train_batch_size", "12"))
+    return folder / "three", folder / "one"
+
+
+def test_three_ranks_with_uneven_shards_and_a_short_last_batch(three_ranks):
+    three, one = three_ranks
+    assert results(three)["num_processes"] == 3 and results(three)["total_train_batch_size"] == 12
+    assert results(three)["global_step"] == results(one)["global_step"] == 8, "4 updates per epoch on both"
+    assert results(three)["eval_samples"] == 21
+    # Rows trained on: 45 per epoch on 1 rank; 45 and the 3 repeats on 3 ranks.
+    for folder, rows in ((one, 2 * 45), (three, 2 * 48)):
+        trained = results(folder)["train_samples_per_second"] * results(folder)["train_runtime"]
+        assert trained == pytest.approx(rows), folder.name
+
+    losses = {folder.name: {r["step"]: r for r in records(folder) if "loss" in r} for folder in (one, three)}
+    assert sorted(losses["three"]) == sorted(losses["one"]) == list(range(1, 9))
+    assert [losses["three"][s]["epoch"] for s in (4, 8)] == [1.0, 2.0], "the short batch ends each epoch"
+    for step in (1, 2, 3):  # the same 12 rows in each of the first 3 updates, their gradients averaged over 3 ranks
+        assert losses["three"][step]["loss"] == pytest.approx(losses["one"][step]["loss"], abs=1e-5), step
+    worst = max_difference(one / "checkpoint-3" / "model.safetensors", three / "checkpoint-3" / "model.safetensors")
+    assert worst < 1e-4, f"weights differ by up to {worst} before the short batch"
 
 
 @pytest.fixture(scope="module")
-def single_process_evaluation(trained_model, tmp_path_factory):
+def single_process_evaluation(trained_tiny_model, tmp_path_factory):
+    """A real `accelerate launch` of 1 process (the launcher's single-process path), the reference for the others."""
     folder = tmp_path_factory.mktemp("single")
     data = write_rows(folder / "eval.csv", sentiment_rows(37, seed=5))
-    args = ["--model_name_or_path", str(trained_model), "--validation_file", str(data), "--output_dir", str(folder)]
-    result = launch("evaluate.py", [*args, "--per_device_eval_batch_size", "8"], num_processes=1)
+    args = ["--model_name_or_path", str(trained_tiny_model), "--validation_file", str(data),
+            "--output_dir", str(folder), "--per_device_eval_batch_size", "8"]  # fmt: skip
+    result = launch("evaluate.py", args, num_processes=1)
     assert result.returncode == 0, result.stderr[-2000:]
     return data, folder
 
 
-@pytest.mark.parametrize("num_processes,batch_size", [(2, 4), (3, 5)])
-def test_evaluation_counts_every_example_once(trained_model, single_process_evaluation, tmp_path, num_processes,
-                                              batch_size):  # fmt: skip
-    """37 rows do not split evenly: padded repeats must not be counted, and rows come back in order."""
+@pytest.mark.parametrize("launcher,num_processes,batch_size", [("torchrun", 2, 4), ("accelerate --multi_gpu", 3, 5)])
+def test_each_launcher_forms_one_group_that_counts_every_example_once(
+    trained_tiny_model, single_process_evaluation, tmp_path, launcher, num_processes, batch_size
+):
+    """On a machine without GPUs these launchers would start N unrelated single-process runs without cpu=True.
+    37 rows do not split evenly over 2 or 3 ranks: the padded repeats must not be counted, and rows come back in
+    order, so the files equal those of 1 process."""
     data, single_dir = single_process_evaluation
-    common = ["--model_name_or_path", str(trained_model), "--validation_file", str(data)]
-    multi = launch(
-        "evaluate.py",
-        [*common, "--output_dir", str(tmp_path / "multi"), "--per_device_eval_batch_size", str(batch_size)],
-        num_processes=num_processes,
-    )
-    assert multi.returncode == 0, multi.stderr[-2000:]
-    for name in ("eval_results.json", "predictions.csv"):
-        assert (single_dir / name).read_text() == (tmp_path / "multi" / name).read_text(), name
-    results = json.loads((tmp_path / "multi" / "eval_results.json").read_text())
-    assert results["eval_samples"] == 37
-    rows = (tmp_path / "multi" / "predictions.csv").read_text().splitlines()[1:]
-    assert [int(r.split(",")[0]) for r in rows] == list(range(37))
-    assert torch.tensor(results["eval_accuracy"]).isfinite()
-
-
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate --multi_gpu"])
-def test_other_launchers_start_real_ranks_on_cpu(trained_model, tmp_path, launcher):
-    """On a machine without GPUs these would start 2 unrelated single-process runs without cpu=True."""
-    data = write_rows(tmp_path / "eval.csv", sentiment_rows(9, seed=6))
-    script_args = [str(REPO / "evaluate.py"), "--model_name_or_path", str(trained_model), "--validation_file",
-                   str(data), "--output_dir", str(tmp_path / "out")]  # fmt: skip
-    port = str(random.randint(20000, 40000))
+    script_args = [str(REPO / "evaluate.py"), "--model_name_or_path", str(trained_tiny_model),
+                   "--validation_file", str(data), "--output_dir", str(tmp_path),
+                   "--per_device_eval_batch_size", str(batch_size)]  # fmt: skip
+    port, n = str(random.randint(20000, 40000)), str(num_processes)
     if launcher == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", n, "--master_port", port]
     else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", n,
                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "--main_process_port", port]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([*command, *script_args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stderr.count("with 2 process(es)") == 1, "one group of 2 ranks, logging once"
-    assert json.loads((tmp_path / "out" / "eval_results.json").read_text())["eval_samples"] == 9
+    assert result.stderr.count(f"with {n} process(es)") == 1, "one group of ranks, logging once"
+    for name in ("eval_results.json", "predictions.csv"):
+        assert (single_dir / name).read_text() == (tmp_path / name).read_text(), name
+    assert json.loads((tmp_path / "eval_results.json").read_text())["eval_samples"] == 37
+    rows = (tmp_path / "predictions.csv").read_text().splitlines()[1:]
+    assert [int(r.split(",")[0]) for r in rows] == list(range(37))

@@ -1,6 +1,7 @@
 """User mistakes end in one line that names the culprit, exit status 2, no traceback, and no lost files."""
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ evaluate_script = load_script("evaluate")
 
 
 def run_script(*argv):
+    """A real process: what a user sees is its stderr and exit status, which only a command line shows."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
 
@@ -40,6 +42,7 @@ def test_flag_mistake_is_one_line(tmp_path):
 
 
 def test_an_error_on_every_rank_stops_them_all_promptly(tmp_path, tiny_model):
+    """Real ranks: rank 0 finds the mistake inside main_process_first while rank 1 waits for it there."""
     train_file = write_rows(
         tmp_path / "train.csv", [{"review": r["sentence"], "y": r["label"]} for r in sentiment_rows(16)]
     )
@@ -66,13 +69,13 @@ def test_unreachable_hub_dataset_is_named(tmp_path, tiny_model):
         train.main(train.parse_train_args(args))
 
 
-def test_labels_the_model_does_not_know(tmp_path, tiny_model, tiny_data):
-    out = tmp_path / "out"
-    train.main(train.parse_train_args(train_args(tiny_model, *tiny_data, out, "--num_train_epochs", "1")))
+def test_labels_the_model_does_not_know(tmp_path, trained_tiny_model):
     data = write_rows(tmp_path / "other.csv", [{"sentence": "fine", "label": "neutral"}])
-    args = evaluate_script.parse_eval_args(["--model_name_or_path", str(out), "--validation_file", str(data)])
+    args = evaluate_script.parse_eval_args(["--model_name_or_path", str(trained_tiny_model), "--validation_file",
+                                            str(data), "--output_dir", str(tmp_path / "e")])  # fmt: skip
     with pytest.raises(evaluate_script.UserError, match="neutral in column 'label' are not among the model's labels"):
         evaluate_script.main(args)
+    assert not (tmp_path / "e").exists()
 
 
 def test_missing_labels_in_training_data(tmp_path, tiny_model):
@@ -108,3 +111,21 @@ def test_resume_with_other_batching_settings_is_refused(tmp_path, tiny_model, ti
     changed = train_args(tiny_model, *tiny_data, out, "--resume_from_checkpoint", "latest", "--seed", "8")
     with pytest.raises(train.UserError, match=r"made with other settings \(--seed 7 -> 8\)"):
         train.main(train.parse_train_args(changed))
+
+
+def test_an_error_on_one_rank_only_stops_every_rank_promptly(two_rank_run, tmp_path):
+    """Only rank 1 meets the problem: its own RNG state file in the checkpoint is damaged (a bad copy to one node's
+    disk, say). Rank 0 loads the checkpoint and waits for rank 1 in the next collective; rank 1's one-line error
+    must end both, promptly. A real launch: the other rank must be stopped from outside its own process."""
+    out = tmp_path / "out"
+    shutil.copytree(two_rank_run["output_dir"], out)
+    checkpoint = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name[11:]))[-1]
+    (checkpoint / "random_states_1.pkl").write_bytes(b"not a pickle")
+    args = train_args(*two_rank_run["args"], out, *two_rank_run["flags"], "--resume_from_checkpoint", str(checkpoint))
+    started = time.monotonic()
+    result = launch("train.py", args, timeout=120)
+    assert result.returncode != 0
+    assert time.monotonic() - started < 60, "rank 0 is not left waiting for a collective that never comes"
+    errors = [line for line in result.stderr.splitlines() if " error: " in line]
+    assert len(errors) == 1 and errors[0].startswith("[rank 1] error: checkpoint ") and "cannot be loaded" in errors[0]
+    assert "Running training" not in result.stdout + result.stderr, "no rank went on to train"

@@ -1,11 +1,21 @@
-"""End-to-end runs of train.py's and evaluate.py's main() in this process, on a tiny random BERT."""
+"""End-to-end runs of train.py's and evaluate.py's main() in this process, on a tiny random BERT.
+
+What the scripts report is checked against the saved model run here independently (`reference_logits`: plain
+transformers, one row at a time), never against the files the same call wrote.
+"""
 
 import json
+import shutil
 
 import pytest
 import torch
-from conftest import load_script, sentiment_rows, train_args, write_rows
+import torch.nn.functional as F
+from conftest import load_script, reference_logits, score_rows, sentiment_rows, tensor_names, train_args, write_rows
+from datasets import ClassLabel, Dataset, Features, Value
+from sklearn.metrics import f1_score, matthews_corrcoef
 from transformers import AutoConfig, AutoModelForSequenceClassification
+
+from src.errors import UserError
 
 train = load_script("train")
 evaluate_script = load_script("evaluate")
@@ -15,52 +25,92 @@ def run_train(*argv):
     return train.main(train.parse_train_args(list(argv)))
 
 
-def test_classification_end_to_end(tiny_model, tiny_data, tmp_path):
+def run_evaluate(*argv):
+    return evaluate_script.main(evaluate_script.parse_eval_args([str(a) for a in argv]))
+
+
+def records(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def predictions_csv(folder) -> list[list[str]]:
+    return [line.split(",") for line in (folder / "predictions.csv").read_text().splitlines()]
+
+
+def expected_classification(model_dir, rows) -> tuple[list[str], dict]:
+    """The saved model's predicted label names and eval_* metrics on `rows`, computed without src/."""
+    config = AutoConfig.from_pretrained(model_dir)
+    logits = reference_logits(model_dir, [r["sentence"] for r in rows])
+    labels = torch.tensor([config.label2id[str(r["label"])] for r in rows])
+    predicted = logits.argmax(-1)
+    return [config.id2label[i] for i in predicted.tolist()], {
+        "eval_accuracy": (predicted == labels).sum().item() / len(rows),
+        "eval_loss": F.cross_entropy(logits, labels).item(),
+        "eval_f1": f1_score(labels, predicted),
+        "eval_matthews_correlation": matthews_corrcoef(labels, predicted),
+    }
+
+
+def recording(monkeypatch, module, name) -> list:
+    """Replace module.name (a plotting function) by one that also keeps what the original returned."""
+    original, calls = getattr(module, name), []
+    monkeypatch.setattr(module, name, lambda *args: calls.append(original(*args)))
+    return calls
+
+
+def test_classification_end_to_end(tiny_model, tiny_data, tmp_path, monkeypatch):
+    plots = recording(monkeypatch, train, "plot_training_curves")
     out = tmp_path / "out"
-    results = run_train(
-        *train_args(
-            tiny_model, *tiny_data, out, "--eval_steps", "3", "--logging_steps", "2", "--report_to", "tensorboard"
-        )
-    )
+    run_train(*train_args(tiny_model, *tiny_data, out, "--eval_steps", "3", "--logging_steps", "2",
+                          "--report_to", "tensorboard"))  # fmt: skip
 
-    saved = json.loads((out / "all_results.json").read_text())
-    assert saved == pytest.approx(results)
-    for key in (
-        "eval_accuracy",
-        "eval_f1",
-        "eval_matthews_correlation",
-        "eval_loss",
-        "train_runtime",
-        "train_samples_per_second",
-        "num_processes",
-        "total_train_batch_size",
-        "global_step",
-    ):
-        assert key in saved, key
-    assert saved["num_processes"] == 1 and saved["total_train_batch_size"] == 8 and saved["global_step"] == 16
-    assert saved["eval_samples"] == 37
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["num_processes"] == 1 and results["total_train_batch_size"] == 8 and results["global_step"] == 16
+    assert results["eval_samples"] == 37
+    assert results["train_samples_per_second"] * results["train_runtime"] == pytest.approx(2 * 64), "rows trained on"
+    # The reported metrics are those of the saved model on the validation rows.
+    _, expected = expected_classification(out, sentiment_rows(37, seed=2))
+    assert results["eval_accuracy"] == expected["eval_accuracy"]
+    for key in ("eval_loss", "eval_f1", "eval_matthews_correlation"):
+        assert results[key] == pytest.approx(expected[key], abs=1e-5), key
 
-    # String labels became ids, and the mapping travels with the model.
-    model = AutoModelForSequenceClassification.from_pretrained(out)
+    # String labels became ids, the mapping travels with the model, and the weights load with nothing left over.
+    model, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
     assert model.config.id2label == {0: "negative", 1: "positive"}
     assert model.config.label2id == {"negative": 0, "positive": 1}
-    weights = (out / "model.safetensors").read_bytes()[:4000].decode("latin-1")
-    assert "module." not in weights
-
+    assert tensor_names(out / "model.safetensors") == tensor_names(tiny_model / "model.safetensors")
     args = json.loads((out / "args.json").read_text())
     assert args["text_column"] == "sentence" and args["label_column"] == "label"
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert any("loss" in r and "learning_rate" in r for r in records)
-    assert [r["step"] for r in records if "eval_accuracy" in r] == [3, 6, 8, 9, 12, 15, 16]
-    assert (out / "training_curves.png").stat().st_size > 10_000
-    assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
+
+    logged = records(out)
+    losses, evaluations = [r for r in logged if "loss" in r], [r for r in logged if "eval_loss" in r]
+    assert [r["step"] for r in losses] == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert [r["step"] for r in evaluations] == [3, 6, 8, 9, 12, 15, 16]
+
+    # The picture shows exactly the logged series, one panel each, read back from the figure.
+    (plotted,) = plots
+    expected_panels = {
+        "training loss": ([r["step"] for r in losses], [r["loss"] for r in losses]),
+        "learning rate": ([r["step"] for r in losses], [r["learning_rate"] for r in losses]),
+    }
+    for key in ("eval_loss", "eval_accuracy", "eval_f1", "eval_matthews_correlation"):
+        title = "validation " + key.removeprefix("eval_").replace("_", " ")
+        expected_panels[title] = ([r["step"] for r in evaluations], [r[key] for r in evaluations])
+    assert plotted == expected_panels
+    assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # TensorBoard received the same values.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(out / "tensorboard")).Reload()  # the scalars' event file; hparams are in a subfolder
+    for key, source in (("loss", losses), ("eval_accuracy", evaluations)):
+        scalars = [(e.step, e.value) for e in board.Scalars(key)]
+        assert scalars == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in source], key
 
 
-def test_regression_with_text_pairs(tiny_model, tmp_path):
-    rows = [
-        {"sentence1": r["sentence"], "sentence2": "so so", "score": float(i % 5) / 2}
-        for i, r in enumerate(sentiment_rows(40))
-    ]
+def test_regression_with_text_pairs(tiny_model, tmp_path, monkeypatch):
+    rows = score_rows(40)
     train_file = write_rows(tmp_path / "train.jsonl", rows[:32])
     dev_file = write_rows(tmp_path / "dev.parquet", rows[32:])
     out = tmp_path / "out"
@@ -72,12 +122,17 @@ def test_regression_with_text_pairs(tiny_model, tmp_path):
     assert (args["text_column"], args["text_pair_column"]) == ("sentence1", "sentence2")
     assert args["metric_for_best_model"] == "mse" and args["greater_is_better"] is False
 
-    metrics = evaluate_script.main(
-        evaluate_script.parse_eval_args(["--model_name_or_path", str(out), "--validation_file", str(dev_file)])
-    )
-    assert metrics["eval_samples"] == 8 and (out / "predictions_vs_labels.png").stat().st_size > 5_000
-    predictions = (out / "predictions.csv").read_text().splitlines()
-    assert predictions[0] == "index,label,prediction" and len(predictions) == 9
+    points = recording(monkeypatch, evaluate_script, "plot_regression")
+    metrics = run_evaluate("--model_name_or_path", out, "--validation_file", dev_file, "--output_dir", tmp_path / "e")
+    expected = reference_logits(out, [r["sentence1"] for r in rows[32:]], [r["sentence2"] for r in rows[32:]])
+    expected, scores = expected.squeeze(-1).tolist(), [r["score"] for r in rows[32:]]
+    assert metrics["eval_samples"] == 8
+    assert metrics["eval_mse"] == pytest.approx(sum((p - s) ** 2 for p, s in zip(expected, scores)) / 8, rel=1e-4)
+    table = predictions_csv(tmp_path / "e")
+    assert table[0] == ["index", "label", "prediction"] and len(table) == 9
+    assert [float(row[2]) for row in table[1:]] == pytest.approx(expected, abs=1e-4)
+    # The scatter plot shows each row's (true, predicted) pair.
+    assert points == [[pytest.approx([score, prediction], abs=1e-5) for score, prediction in zip(scores, expected)]]
 
 
 def test_validation_split_carved_from_train_and_int_labels(tiny_model, tmp_path):
@@ -102,65 +157,103 @@ def test_validation_split_carved_from_train_and_int_labels(tiny_model, tmp_path)
     assert AutoConfig.from_pretrained(out).id2label == {0: "3", 1: "7"}
 
 
-def test_evaluate_script_writes_results_predictions_and_picture(tiny_model, tiny_data, tmp_path):
+def test_evaluate_script_writes_results_predictions_and_picture(trained_tiny_model, tmp_path, monkeypatch):
+    rows = sentiment_rows(37, seed=2)
+    data = write_rows(tmp_path / "dev.csv", rows)
+    pictures = recording(monkeypatch, evaluate_script, "plot_confusion_matrix")
+    out = tmp_path / "eval"
+    run_evaluate("--model_name_or_path", trained_tiny_model, "--validation_file", data,
+                 "--per_device_eval_batch_size", "5", "--output_dir", out)  # fmt: skip
+
+    predicted, expected = expected_classification(trained_tiny_model, rows)
+    written = json.loads((out / "eval_results.json").read_text())
+    assert written["eval_samples"] == 37
+    for key, value in expected.items():
+        assert written[key] == pytest.approx(value, abs=2e-6), key  # the file rounds to 6 digits
+    table = predictions_csv(out)
+    assert table[0] == ["index", "label", "prediction"] and len(table) == 38
+    assert [int(row[0]) for row in table[1:]] == list(range(37))
+    assert [row[1] for row in table[1:]] == [r["label"] for r in rows]
+    assert [row[2] for row in table[1:]] == predicted
+    # The confusion matrix shows the counts of (true, predicted) pairs.
+    names = ["negative", "positive"]
+    counts = [[sum(r["label"] == t and p == q for r, p in zip(rows, predicted)) for q in names] for t in names]
+    assert pictures == [counts] and sum(map(sum, counts)) == 37
+
+
+def test_evaluate_without_labels_writes_predictions_only(trained_tiny_model, tmp_path):
+    rows = sentiment_rows(5)
+    unlabelled = write_rows(tmp_path / "test.csv", [{"sentence": r["sentence"]} for r in rows])
+    out = tmp_path / "e"
+    assert run_evaluate("--model_name_or_path", trained_tiny_model, "--validation_file", unlabelled,
+                        "--output_dir", out) == {"eval_samples": 5}  # fmt: skip
+    table = predictions_csv(out)
+    assert table[0] == ["index", "prediction"]
+    assert [row[1] for row in table[1:]] == expected_classification(trained_tiny_model, rows)[0]
+    assert not list(out.glob("*.png"))
+
+
+def test_a_model_without_label_names_reads_labels_as_ids(trained_tiny_model, tmp_path):
+    """A classifier fine-tuned elsewhere may carry only LABEL_0, LABEL_1: data labelled 0 and 1 then matches it."""
+    model = tmp_path / "model"
+    shutil.copytree(trained_tiny_model, model)
+    (model / "args.json").unlink()
+    config = AutoConfig.from_pretrained(model)
+    config.id2label, config.label2id = {0: "LABEL_0", 1: "LABEL_1"}, {"LABEL_0": 0, "LABEL_1": 1}
+    config.save_pretrained(model)
+    rows = sentiment_rows(20, seed=7)
+    ids = [{"sentence": r["sentence"], "label": int(r["label"] == "positive")} for r in rows]
+    metrics = run_evaluate("--model_name_or_path", model, "--validation_file", write_rows(tmp_path / "d.csv", ids),
+                           "--output_dir", tmp_path / "e")  # fmt: skip
+    predicted, expected = expected_classification(trained_tiny_model, rows)
+    assert metrics["eval_accuracy"] == pytest.approx(expected["eval_accuracy"])
+    table = predictions_csv(tmp_path / "e")
+    assert [row[1] for row in table[1:]] == [str(r["label"]) for r in ids]
+    assert [row[2] for row in table[1:]] == [str(["negative", "positive"].index(p)) for p in predicted]
+
+
+def hub_style_dataset(folder):
+    """A dataset folder that `load_dataset(path)` reads offline, laid out as on the Hub: one parquet file per split,
+    ClassLabel features in the files' metadata, an unlabelled test split (-1, as GLUE's) and one half labelled."""
+    features = Features({"sentence": Value("string"), "label": ClassLabel(names=["negative", "positive"])})
+    splits = {"train": sentiment_rows(64, 1), "validation": sentiment_rows(21, 2), "test": sentiment_rows(9, 3),
+              "partly": sentiment_rows(4, 4)}  # fmt: skip
+    (folder / "data").mkdir(parents=True)
+    for name, rows in splits.items():
+        labels = [features["label"].str2int(r["label"]) for r in rows]
+        labels = {"test": [-1] * len(rows), "partly": [-1, -1] + labels[2:]}.get(name, labels)
+        split = Dataset.from_dict({"sentence": [r["sentence"] for r in rows], "label": labels}, features=features)
+        split.to_parquet(folder / "data" / f"{name}-00000-of-00001.parquet")
+    return folder, splits
+
+
+def test_hub_style_dataset_and_its_splits(tiny_model, tmp_path):
+    data, splits = hub_style_dataset(tmp_path / "data")
     out = tmp_path / "out"
-    run_train(*train_args(tiny_model, *tiny_data, out, "--num_train_epochs", "1"))
-    args = evaluate_script.parse_eval_args(
-        ["--model_name_or_path", str(out), "--validation_file", str(tiny_data[1]), "--per_device_eval_batch_size", "5"]
-    )
-    metrics = evaluate_script.main(args)
-    assert metrics == pytest.approx(json.loads((out / "eval_results.json").read_text()), abs=1e-6)
-    lines = (out / "predictions.csv").read_text().splitlines()
-    assert lines[0] == "index,label,prediction" and len(lines) == 38
-    assert [int(line.split(",")[0]) for line in lines[1:]] == list(range(37))
-    labels = [row["label"] for row in sentiment_rows(37, seed=2)]
-    assert [line.split(",")[1] for line in lines[1:]] == labels
-    assert (out / "confusion_matrix.png").stat().st_size > 5_000
+    results = run_train("--model_name_or_path", str(tiny_model), "--dataset_name", str(data), "--output_dir", str(out),
+                        "--num_train_epochs", "1", "--report_to", "none", "--mixed_precision", "no")  # fmt: skip
+    assert results["eval_samples"] == 21, "its validation split, not rows carved from train"
+    assert AutoConfig.from_pretrained(out).id2label == {0: "negative", 1: "positive"}
 
+    def evaluate_split(split):
+        folder = tmp_path / f"eval-{split}"
+        metrics = run_evaluate("--model_name_or_path", out, "--dataset_name", data, "--split", split,
+                               "--output_dir", folder)  # fmt: skip
+        return metrics, predictions_csv(folder)
 
-def test_trained_weights_match_the_saved_model(tiny_model, tiny_data, tmp_path):
-    """What from_pretrained reads back predicts exactly what the run evaluated."""
-    out = tmp_path / "out"
-    results = run_train(*train_args(tiny_model, *tiny_data, out, "--num_train_epochs", "1"))
-    metrics = evaluate_script.main(
-        evaluate_script.parse_eval_args(["--model_name_or_path", str(out), "--validation_file", str(tiny_data[1])])
-    )
-    assert metrics["eval_accuracy"] == pytest.approx(results["eval_accuracy"])
-    assert metrics["eval_loss"] == pytest.approx(results["eval_loss"], abs=1e-5)
-    assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
+    metrics, table = evaluate_split("valid")  # the first split whose name starts with it
+    predicted, expected = expected_classification(out, splits["validation"])
+    assert metrics["eval_samples"] == 21 and metrics["eval_accuracy"] == pytest.approx(expected["eval_accuracy"])
+    assert [row[2] for row in table[1:]] == predicted
 
+    metrics, table = evaluate_split("test")  # unlabelled: predictions only
+    assert metrics == {"eval_samples": 9} and table[0] == ["index", "prediction"]
+    assert [row[1] for row in table[1:]] == expected_classification(out, splits["test"])[0]
 
-@pytest.mark.slow
-def test_demo_task_starts_at_chance_with_the_packaged_model(tmp_path):
-    """The default run's premise: MiniLM with a fresh head knows nothing of the demo task."""
-    from accelerate import Accelerator
-
-    from src.data import build_eval_dataloader, tokenize
-    from src.demo_data import make_demo_splits
-    from src.evaluation import evaluate
-    from src.model import default_model_path, load_model, load_tokenizer
-    from src.task import SINGLE_LABEL, Task
-
-    accelerator = Accelerator(cpu=True)
-    tokenizer = load_tokenizer(default_model_path())
-    task = Task(SINGLE_LABEL, ("negative", "positive"))
-    model = load_model(default_model_path(), task)
-    validation = make_demo_splits()["validation"]
-    dataset = tokenize(validation, tokenizer, ("sentence", None, "label"), 64, task)
-    loader = accelerator.prepare(build_eval_dataloader(dataset, tokenizer, 64))
-    metrics, _ = evaluate(accelerator.prepare_model(model, evaluation_mode=True), loader, accelerator, task)
-    assert 0.4 < metrics["eval_accuracy"] < 0.6
-
-
-def test_evaluate_without_labels_writes_predictions_only(tiny_model, tiny_data, tmp_path):
-    out = tmp_path / "out"
-    run_train(*train_args(tiny_model, *tiny_data, out, "--num_train_epochs", "1"))
-    unlabelled = write_rows(tmp_path / "test.csv", [{"sentence": r["sentence"]} for r in sentiment_rows(5)])
-    args = ["--model_name_or_path", str(out), "--validation_file", str(unlabelled), "--output_dir", str(tmp_path / "e")]
-    assert evaluate_script.main(evaluate_script.parse_eval_args(args)) == {"eval_samples": 5}
-    lines = (tmp_path / "e" / "predictions.csv").read_text().splitlines()
-    assert lines[0] == "index,prediction" and len(lines) == 6
-    assert {line.split(",")[1] for line in lines[1:]} <= {"negative", "positive"}
+    with pytest.raises(UserError, match="marks some rows as unlabelled"):
+        evaluate_split("partly")
+    with pytest.raises(UserError, match="--split nope: .* has only train, validation, test, partly"):
+        evaluate_split("nope")
 
 
 def test_a_line_cut_short_by_a_kill_is_skipped(tmp_path):

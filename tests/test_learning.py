@@ -1,0 +1,69 @@
+"""The model learns: the built-in demo task with the packaged MiniLM, and a little real data (SST-2).
+
+Slow (a minute or two each on 2 cores) but part of the default run: without them every other test passes for a
+template whose training does nothing.
+"""
+
+import json
+
+import pytest
+from conftest import SST2, run_in_process
+
+
+def results(folder) -> dict:
+    return json.loads((folder / "all_results.json").read_text())
+
+
+def losses(folder) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+@pytest.mark.slow
+def test_demo_task_starts_at_chance_with_the_packaged_model():
+    """The default run's premise: MiniLM with a fresh head knows nothing of the demo task."""
+    from accelerate import Accelerator
+
+    from src.data import build_eval_dataloader, tokenize
+    from src.demo_data import make_demo_splits
+    from src.evaluation import evaluate
+    from src.model import default_model_path, load_model, load_tokenizer
+    from src.task import SINGLE_LABEL, Task
+
+    accelerator = Accelerator(cpu=True)
+    tokenizer = load_tokenizer(default_model_path())
+    task = Task(SINGLE_LABEL, ("negative", "positive"))
+    model = load_model(default_model_path(), task)
+    validation = make_demo_splits()["validation"]
+    dataset = tokenize(validation, tokenizer, ("sentence", None, "label"), 64, task)
+    loader = accelerator.prepare(build_eval_dataloader(dataset, tokenizer, 64))
+    metrics, _ = evaluate(accelerator.prepare_model(model, evaluation_mode=True), loader, accelerator, task)
+    assert 0.4 < metrics["eval_accuracy"] < 0.6
+
+
+@pytest.mark.slow
+def test_the_default_demo_run_learns_the_task(tmp_path):
+    """`accelerate launch train.py` with no arguments (packaged MiniLM, demo data, default flags and precision), cut
+    to its first epoch of 63 steps. Measured: validation accuracy 1.000 and loss 0.32 after it (1.000 after 3)."""
+    out = tmp_path / "out"
+    run_in_process("train", ["--output_dir", str(out), "--num_train_epochs", "1", "--report_to", "none"])
+    assert results(out)["global_step"] == 63 and results(out)["eval_samples"] == 500
+    assert results(out)["eval_accuracy"] >= 0.95
+    assert results(out)["eval_loss"] < 0.5, "well below chance (0.69)"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SST2 / "train.tsv").is_file(), reason=f"no SST-2 data at {SST2} (CI has it beside the clone)")
+def test_loss_falls_on_real_data(tmp_path):
+    """The first 512 SST-2 training rows, 1 epoch of 32 steps of 16 with the packaged MiniLM. Measured: the logged
+    loss fell from 0.69 to 0.42, validation accuracy 0.775 on the first 200 validation rows."""
+    out = tmp_path / "out"
+    run_in_process("train", ["--train_file", str(SST2 / "train.tsv"), "--validation_file", str(SST2 / "validation.tsv"),
+                             "--max_train_samples", "512", "--max_eval_samples", "200", "--num_train_epochs", "1",
+                             "--per_device_train_batch_size", "16", "--learning_rate", "2e-4", "--logging_steps", "4",
+                             "--report_to", "none", "--mixed_precision", "no", "--output_dir", str(out)])  # fmt: skip
+    logged = losses(out)
+    assert len(logged) == 8
+    assert sum(logged[:2]) / 2 > 0.65 > 0.6 > sum(logged[-2:]) / 2, f"the training loss did not fall: {logged}"
+    assert results(out)["eval_samples"] == 200
+    assert results(out)["train_samples_per_second"] * results(out)["train_runtime"] == pytest.approx(512)
+    assert results(out)["eval_loss"] < 0.65 and results(out)["eval_accuracy"] > 0.65

@@ -1,0 +1,140 @@
+"""Training flags whose effect can be measured: accumulation, precision, steps and schedule, weight decay, subsets.
+
+All in this process on the tiny BERT without dropout (so that runs can be compared weight for weight).
+"""
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+from conftest import load_script, run_in_process, train_args
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification
+
+import src.runtime
+from src.runtime import resolve_mixed_precision
+
+train = load_script("train")
+
+
+def results(folder) -> dict:
+    return json.loads((folder / "all_results.json").read_text())
+
+
+def records(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def max_difference(a, b) -> float:
+    first, second = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    return max((first[k] - second[k]).abs().max().item() for k in first)
+
+
+def without_precision(argv: list[str]) -> list[str]:
+    """train_args without its `--mixed_precision no`, so that train.py chooses."""
+    i = argv.index("--mixed_precision")
+    return argv[:i] + argv[i + 2 :]
+
+
+def test_gradient_accumulation_equals_the_larger_batch(tiny_model_no_dropout, tiny_data, tmp_path):
+    """4 rows accumulated twice update the model as 8 rows at once, with the default length grouping."""
+    run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, tmp_path / "eight"))
+    accumulate = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
+    run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, tmp_path / "four-twice", *accumulate))
+    eight, accumulated = results(tmp_path / "eight"), results(tmp_path / "four-twice")
+    assert accumulated["total_train_batch_size"] == eight["total_train_batch_size"] == 8
+    assert accumulated["global_step"] == eight["global_step"] == 16, "steps count updates, not batches"
+    worst = max_difference(tmp_path / "eight", tmp_path / "four-twice")
+    assert worst < 1e-5, f"weights differ by up to {worst}"  # measured: ~1e-7
+
+
+def test_the_default_precision_is_bf16_on_cpus_with_amx(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    assert resolve_mixed_precision(None, on_cpu=True) == ("bf16" if torch.cpu._is_amx_tile_supported() else "no")
+    monkeypatch.setattr(src.runtime, "has_fast_bf16_cpu", lambda: True)
+    assert resolve_mixed_precision(None, on_cpu=True) == "bf16" and resolve_mixed_precision(None, on_cpu=False) == "no"
+    assert resolve_mixed_precision("no", on_cpu=True) == "no", "the flag wins"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # what `accelerate config` chose, passed by the launcher
+    assert resolve_mixed_precision(None, on_cpu=True) == "fp16"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # launchers always pass one: 'no' is no choice
+    assert resolve_mixed_precision(None, on_cpu=True) == "bf16"
+
+
+def test_bf16_autocast_trains_on_cpu_close_to_fp32(tiny_model_no_dropout, tiny_data, tmp_path, monkeypatch):
+    """No --mixed_precision: fp32 without AMX, bf16 autocast with it (recorded in args.json), close to fp32."""
+    fp32 = tmp_path / "fp32"
+    run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, fp32))
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    for amx in (False, True):
+        monkeypatch.setattr(src.runtime, "has_fast_bf16_cpu", lambda amx=amx: amx)
+        out = tmp_path / f"amx-{amx}"
+        run_in_process("train", without_precision(train_args(tiny_model_no_dropout, *tiny_data, out)))
+        assert json.loads((out / "args.json").read_text())["mixed_precision"] == ("bf16" if amx else "no")
+        assert all(math.isfinite(r["loss"]) for r in records(out) if "loss" in r)
+    assert max_difference(fp32, tmp_path / "amx-False") == 0.0
+    difference = max_difference(fp32, tmp_path / "amx-True")
+    assert 0 < difference < 0.05, "bf16 rounding shows, but the run stays close"  # measured: ~2e-3
+    bf16_loss, fp32_loss = results(tmp_path / "amx-True")["eval_loss"], results(fp32)["eval_loss"]
+    assert bf16_loss == pytest.approx(fp32_loss, abs=0.01)  # measured: ~3e-6
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine", "constant_with_warmup"])
+def test_max_train_steps_and_the_learning_rate_schedule(tiny_model_no_dropout, tiny_data, tmp_path, schedule):
+    """--max_train_steps 10 overrides the 5 epochs (8 steps each); 20% of the steps warm up; the scheduler moves once
+    per update, and metrics.jsonl logs the rate each step trained with."""
+    out = tmp_path / "out"
+    run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, out, "--num_train_epochs", "5",
+                                       "--max_train_steps", "10", "--warmup_ratio", "0.2", "--lr_scheduler_type",
+                                       schedule, "--logging_steps", "1"))  # fmt: skip
+    assert results(out)["global_step"] == 10
+    logged = [r for r in records(out) if "learning_rate" in r]
+    assert [r["step"] for r in logged] == list(range(1, 11)) and logged[-1]["epoch"] == 1.25
+    assert [r["step"] for r in records(out) if "eval_loss" in r] == [8, 10], "each epoch's end and the last step"
+
+    peak, warmup, total = 1e-3, 2, 10
+
+    def rate(step):
+        if step < warmup:
+            return peak * step / warmup
+        progress = (step - warmup) / (total - warmup)
+        return {"linear": peak * (1 - progress), "cosine": peak * 0.5 * (1 + math.cos(math.pi * progress)),
+                "constant_with_warmup": peak}[schedule]  # fmt: skip
+
+    assert [r["learning_rate"] for r in logged] == pytest.approx([rate(s) for s in range(1, 11)], abs=1e-12)
+
+
+def test_weight_decay_spares_biases_and_layer_norms(tiny_model_no_dropout):
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_no_dropout)
+    args = argparse.Namespace(weight_decay=0.1, learning_rate=0.01)
+    optimizer = train.build_optimizer(model, args, torch.device("cpu"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed, spared = ([names[id(p)] for p in group["params"]] for group in optimizer.param_groups)
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
+    assert sorted(decayed + spared) == sorted(names.values()), "every parameter in one group"
+    assert spared and all(n.endswith("bias") or "LayerNorm" in n for n in spared)
+    assert "bert.embeddings.word_embeddings.weight" in decayed and "classifier.weight" in decayed
+
+    # With no gradient, one step only decays: decayed weights shrink by lr x decay, the spared ones stay.
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], before[n]) for n in spared)
+    assert all(torch.allclose(after[n], before[n] * (1 - 0.01 * 0.1)) for n in decayed)
+
+
+def test_subsets_and_length_grouping(tiny_model_no_dropout, tiny_data, tmp_path):
+    """--max_train_samples and --max_eval_samples take the first rows; --no-group_by_length batches them at random,
+    which pads more than batches of similar length."""
+    subset = ["--max_train_samples", "40", "--max_eval_samples", "7"]
+    for name, grouping in (("grouped", []), ("random", ["--no-group_by_length"])):
+        run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, tmp_path / name, *subset, *grouping))
+        assert results(tmp_path / name)["eval_samples"] == 7
+        trained = results(tmp_path / name)["train_samples_per_second"] * results(tmp_path / name)["train_runtime"]
+        assert trained == pytest.approx(2 * 40)
+    assert json.loads((tmp_path / "random" / "args.json").read_text())["group_by_length"] is False
+    grouped, random = (results(tmp_path / name)["train_padding_fraction"] for name in ("grouped", "random"))
+    assert grouped < random
