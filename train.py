@@ -128,6 +128,8 @@ def main(args):
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
+    # Every rank started from the same weights; from here each draws its own dropout masks.
+    set_seed(args.seed, device_specific=True)
 
     # prepare() shards the training loader, so the step counts come from its new length.
     # The engine's accumulation counts (DeepSpeed's config overrides the flag).
@@ -170,26 +172,29 @@ def main(args):
 
     # Signals are turned into a checkpoint from here on; a signal during the final save waits for it to end.
     with StopSignals() as stop_signals:
-        eval_metrics, throughput = train_loop(
+        eval_metrics, throughput, stop_status = train_loop(
             args, accelerator, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader, task, state,
             max_train_steps, num_epochs, stop_signals,
         )  # fmt: skip
-        results = {
-            **eval_metrics,
-            **throughput,
-            "num_processes": accelerator.num_processes,
-            "cpu_threads_per_process": args.cpu_threads,
-            "total_train_batch_size": total_batch_size,
-            "global_step": state["global_step"],
-            "trainable_parameters": trainable_parameters,
-            "total_parameters": total_parameters,
-        }
-        save_final(args, accelerator, model, tokenizer, results)
+        if stop_status is None:
+            results = {
+                **eval_metrics,
+                **throughput,
+                "num_processes": accelerator.num_processes,
+                "cpu_threads_per_process": args.cpu_threads,
+                "total_train_batch_size": total_batch_size,
+                "global_step": state["global_step"],
+                "trainable_parameters": trainable_parameters,
+                "total_parameters": total_parameters,
+            }
+            save_final(args, accelerator, model, tokenizer, results)
     # DDP's reducer holds the process group. Freed after end_training() destroyed the group, it tears gloo down
     # while holding the GIL, which can deadlock with gloo's worker thread (seen: a finished rank that never exited).
     del model
     accelerator.free_memory()
     accelerator.end_training()
+    if stop_status is not None:
+        raise SystemExit(stop_status)  # stopped by a signal or --max_time, with a checkpoint to resume from
     summary = ", ".join(f"{k} = {v:.4f}" for k, v in eval_metrics.items() if k != "eval_samples")
     logger.info(f"Done in {results['train_runtime']:.0f}s: {summary}")
     logger.info(f"Model, all_results.json, metrics.jsonl and training_curves.png are in {args.output_dir.resolve()}")
@@ -228,8 +233,9 @@ def start_or_resume(args, accelerator, resume_path, batches_per_epoch: int) -> d
 def train_loop(
     args, accelerator, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader, task, state,
     max_train_steps, num_epochs, stop_signals,
-) -> tuple[dict, dict]:  # fmt: skip
-    """Train from `state` to the last step (or an early stop); returns the final metrics and the throughput."""
+) -> tuple[dict, dict, int | None]:  # fmt: skip
+    """Train from `state` to the last step (or an early stop): the final metrics, the throughput, and None; or,
+    stopped by a signal or --max_time after saving a checkpoint, the exit status as the third item."""
     is_writer = accelerator.is_local_main_process if args.save_on_each_node else accelerator.is_main_process
 
     def log(record: dict):
@@ -339,8 +345,7 @@ def train_loop(
                     f"Stopped at step {step} ({why}). To continue, run the same command with "
                     "--resume_from_checkpoint latest"
                 )
-                accelerator.end_training()
-                raise SystemExit(128 + signum if signum else 0)
+                return eval_metrics, {}, 128 + signum if signum else 0
             if stop_reason or done:
                 break
         if stop_reason or state["global_step"] >= max_train_steps:
@@ -359,12 +364,13 @@ def train_loop(
         best = f"{args.metric_for_best_model} = {state['best_metric']:.4f}"
         logger.info(f"Loaded the best model ({best}) from {state['best_checkpoint']}")
     totals = window.totals
-    return eval_metrics, {
+    throughput = {
         "train_runtime": train_runtime,
         "train_samples_per_second": totals["samples"] / train_runtime,
         "train_tokens_per_second": totals["tokens"] / train_runtime,
         "train_padding_fraction": 1 - totals["tokens"] / max(1, totals["padded_tokens"]),
     }
+    return eval_metrics, throughput, None
 
 
 def save_final(args, accelerator, model, tokenizer, results: dict):

@@ -142,6 +142,7 @@ class StopSignals:
 
     def describe(self, signum: int) -> str:
         """Why the run stops, for the log (`signum` may have come from another rank)."""
+        self.requested()  # this rank may learn only now that its launcher is gone too
         if signum == signal.SIGHUP and self.orphaned:
             return "its launcher exited"
         return f"received {signal.Signals(signum).name}"
