@@ -2,9 +2,9 @@
 
     accelerate launch evaluate.py --model_name_or_path outputs/run --validation_file dev.csv
 
-Writes eval_results.json, predictions.csv (one row per example, in the data's order) and a picture
-(confusion matrix, or predicted-vs-true scatter for regression). The files are the same whether it
-runs on 1 or many processes.
+Writes eval_results.json, predictions.csv (one row per example, in the data's order; multi-label
+label sets as JSON lists) and a picture (confusion matrix, or predicted-vs-true scatter for regression).
+The files are the same whether it runs on 1 or many processes.
 """
 
 import csv
@@ -17,7 +17,15 @@ from accelerate.logging import get_logger
 from datasets import Dataset
 
 from src.args import build_eval_parser, parse_args
-from src.data import build_eval_dataloader, detect_columns, load_file, load_hub_dataset, pick_split, tokenize
+from src.data import (
+    build_eval_dataloader,
+    detect_columns,
+    glue_labels,
+    load_file,
+    load_hub_dataset,
+    pick_split,
+    tokenize,
+)
 from src.errors import UserError, main_process_first, run_cli
 from src.evaluation import evaluate
 from src.model import load_model, load_tokenizer, resolve_max_length
@@ -53,7 +61,7 @@ def training_settings(model_dir: str) -> dict:
 def load_split(args) -> Dataset:
     if args.validation_file:
         return load_file(args.validation_file)
-    splits = load_hub_dataset(args.dataset_name, args.dataset_config_name)
+    splits = load_hub_dataset(args.dataset_name, args.dataset_config_name, instead="--validation_file")
     name = pick_split(splits, args.split)
     if name is None:
         raise UserError(f"--split {args.split}: {args.dataset_name} has only {', '.join(splits)}")
@@ -83,9 +91,13 @@ def main(args):
             args.label_column or remembered.get("label_column"),
             need_label=False,
         )
-        tokenizer = load_tokenizer(args.model_name_or_path)
-        model = load_model(args.model_name_or_path)
-        task = task_of_config(model.config)
+        if trained.get("task_name"):  # GLUE ids in a local file, named as the model's labels are
+            data = glue_labels(data, trained["task_name"], label_column)
+        tokenizer = load_tokenizer(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+        model = load_model(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+        # The training run's class weights (its evaluation loss used them too) and threshold, unless told otherwise.
+        threshold = args.multi_label_threshold or trained.get("multi_label_threshold", 0.5)
+        task = task_of_config(model.config, trained.get("class_weight_values"), threshold)
         args.max_length = resolve_max_length(args.max_length, tokenizer)
         dataset = tokenize(data, tokenizer, (text_column, pair_column, label_column), args.max_length, task)
 
@@ -101,7 +113,14 @@ def main(args):
         args.output_dir.mkdir(parents=True, exist_ok=True)
         # Rounded so that summation order (batch size, number of processes) cannot change the file.
         write_json(args.output_dir / "eval_results.json", {k: round(v, 6) for k, v in metrics.items()})
-        show = (lambda v: f"{v:.4f}") if task.is_regression else (lambda v: task.label_names[v])
+
+        def show(value):
+            if task.is_regression:
+                return f"{value:.4f}"
+            if task.is_multi_label:  # a JSON list of names: unambiguous whatever the names hold, [] for none
+                return json.dumps(task.names_of(value), ensure_ascii=False)
+            return task.label_names[value]
+
         with open(args.output_dir / "predictions.csv", "w", newline="") as file:
             writer = csv.writer(file)
             has_labels = "label" in columns
@@ -110,7 +129,7 @@ def main(args):
                 values = [columns["index"][row]] + ([show(columns["label"][row])] if has_labels else [])
                 writer.writerow(values + [show(columns["prediction"][row])])
         written = ["eval_results.json", "predictions.csv"]
-        if "label" in columns:
+        if "label" in columns and not task.is_multi_label:  # multi-label: per-label F1 in eval_results.json
             picture = args.output_dir / ("predictions_vs_labels.png" if task.is_regression else "confusion_matrix.png")
             if task.is_regression:
                 plot_regression(columns["label"], columns["prediction"], picture)

@@ -28,9 +28,17 @@ from src.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from src.data import build_eval_dataloader, build_train_dataloader, detect_columns, load_raw_splits, tokenize
+from src.data import (
+    build_eval_dataloader,
+    build_train_dataloader,
+    detect_columns,
+    extra_eval_splits,
+    load_raw_splits,
+    tokenize,
+)
 from src.errors import UserError, main_process_first, run_cli
-from src.evaluation import evaluate
+from src.evaluation import evaluate, evaluate_more
+from src.hub import check_hub_access, push_to_hub, write_model_card
 from src.metrics import check_best_metric, greater_is_better
 from src.model import default_model_path, load_model, load_tokenizer, resolve_max_length
 from src.reporting import (
@@ -93,6 +101,7 @@ def main(args):
     resume_path = (
         resolve_checkpoint(args.resume_from_checkpoint, args.output_dir) if args.resume_from_checkpoint else None
     )
+    hub_target = check_hub_access(args, accelerator)  # in seconds, before hours of training; the token leaves args
     set_seed(args.seed)
 
     # Data and model: rank 0 goes first and fills the caches (and downloads); the other ranks then read them.
@@ -101,12 +110,19 @@ def main(args):
         raw = load_raw_splits(args)
         columns = detect_columns(raw["train"].column_names, args.text_column, args.text_pair_column, args.label_column)
         args.text_column, args.text_pair_column, args.label_column = columns
-        task = detect_task(raw["train"], args.label_column)
-        tokenizer = load_tokenizer(args.model_name_or_path)
+        task = detect_task(raw["train"], args.label_column, args.class_weights, args.multi_label_threshold)
+        args.class_weight_values = task.weights_by_label()  # in args.json, so evaluate.py weighs its loss the same
+        tokenizer = load_tokenizer(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
         args.max_length = resolve_max_length(args.max_length, tokenizer)
         train_dataset = tokenize(raw["train"], tokenizer, columns, args.max_length, task)
         eval_dataset = tokenize(raw["validation"], tokenizer, columns, args.max_length, task)
-        model = load_model(args.model_name_or_path, task)
+        more_eval = {
+            k: tokenize(v, tokenizer, columns, args.max_length, task) for k, v in extra_eval_splits(raw).items()
+        }
+        model = load_model(
+            args.model_name_or_path, task, trust_remote_code=args.trust_remote_code,
+            ignore_mismatched_sizes=args.ignore_mismatched_sizes,
+        )  # fmt: skip
     args.metric_for_best_model = check_best_metric(args.metric_for_best_model, task)
     if args.greater_is_better is None:
         args.greater_is_better = greater_is_better(args.metric_for_best_model)
@@ -114,16 +130,20 @@ def main(args):
 
     optimizer = build_optimizer(model, args, accelerator.device)
     pad_to_multiple_of = 8 if accelerator.device.type == "cuda" else None  # tensor cores want multiples of 8
+    pad_to_length = args.max_length if args.pad_to_max_length else None
     train_dataloader = build_train_dataloader(
         train_dataset, tokenizer, args.per_device_train_batch_size, accelerator.num_processes, args.seed,
-        args.group_by_length, pad_to_multiple_of,
+        args.group_by_length, pad_to_multiple_of, pad_to_length,
     )  # fmt: skip
     eval_dataloader = build_eval_dataloader(
-        eval_dataset, tokenizer, args.per_device_eval_batch_size, pad_to_multiple_of
+        eval_dataset, tokenizer, args.per_device_eval_batch_size, pad_to_multiple_of, pad_to_length
     )
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
+    more_eval = {k: accelerator.prepare(build_eval_dataloader(v, tokenizer, args.per_device_eval_batch_size,
+                                                              pad_to_multiple_of, pad_to_length))
+                 for k, v in more_eval.items()}  # fmt: skip
 
     # prepare() shards the training loader, so the step counts come from its new length.
     # The engine's accumulation counts (DeepSpeed's config overrides the flag).
@@ -134,7 +154,9 @@ def main(args):
     lr_scheduler = get_scheduler(
         args.lr_scheduler_type,
         optimizer,
-        num_warmup_steps=math.ceil(args.warmup_ratio * max_train_steps),
+        num_warmup_steps=args.num_warmup_steps
+        if args.num_warmup_steps is not None
+        else math.ceil(args.warmup_ratio * max_train_steps),
         num_training_steps=max_train_steps,
     )
     accelerator.register_for_checkpointing(lr_scheduler)  # stepped once per update by the loop, saved with the state
@@ -165,6 +187,7 @@ def main(args):
             args, accelerator, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader, task, state,
             max_train_steps, num_epochs, stop_signals,
         )  # fmt: skip
+        eval_metrics |= evaluate_more(model, more_eval, accelerator, task)  # MNLI mismatched, once, at the end
         results = {
             **eval_metrics,
             **throughput,
@@ -174,9 +197,12 @@ def main(args):
             "global_step": state["global_step"],
         }
         save_final(args, accelerator, model, tokenizer, results)
+    push_to_hub(args, accelerator, hub_target)  # outside StopSignals: Ctrl-C can interrupt a slow upload
     summary = ", ".join(f"{k} = {v:.4f}" for k, v in eval_metrics.items() if k != "eval_samples")
     logger.info(f"Done in {results['train_runtime']:.0f}s: {summary}")
-    logger.info(f"Model, all_results.json, metrics.jsonl and training_curves.png are in {args.output_dir.resolve()}")
+    logger.info(
+        f"Model, README.md, all_results.json, metrics.jsonl and training_curves.png: {args.output_dir.resolve()}"
+    )
     return results
 
 
@@ -361,6 +387,7 @@ def save_final(args, accelerator, model, tokenizer, results: dict):
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         write_json(args.output_dir / "all_results.json", results)
+        write_model_card(args.output_dir, vars(args), results)
         plot_training_curves(read_jsonl(args.output_dir / "metrics.jsonl"), args.output_dir / "training_curves.png")
     accelerator.end_training()
 

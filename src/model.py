@@ -26,15 +26,17 @@ def default_model_path() -> str:
 def _load(what, loader, name_or_path, **kwargs):
     try:
         return loader(name_or_path, **kwargs)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RuntimeError) as err:  # RuntimeError: a head of another size, not ignored
         raise UserError(
             f"--model_name_or_path {name_or_path}: cannot load a {what} ({' '.join(str(err).split())[:300]}); "
             "give a local model folder or a Hub name (Hub names need network access)"
         ) from err
 
 
-def load_tokenizer(name_or_path: str):
-    return _load("tokenizer", AutoTokenizer.from_pretrained, name_or_path)
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, use_fast: bool = True):
+    return _load(
+        "tokenizer", AutoTokenizer.from_pretrained, name_or_path, trust_remote_code=trust_remote_code, use_fast=use_fast
+    )
 
 
 def resolve_max_length(max_length: int | None, tokenizer, default: int = 128) -> int:
@@ -48,19 +50,22 @@ def resolve_max_length(max_length: int | None, tokenizer, default: int = 128) ->
     return max_length
 
 
-def load_model(name_or_path: str, task: Task | None = None):
+def load_model(name_or_path: str, task: Task | None = None, trust_remote_code=False, ignore_mismatched_sizes=True):
     """A model with a head for `task` (new if the checkpoint's head has another size), or, without a task, the
     checkpoint's own fine-tuned head and labels, for evaluation."""
     trained_head = task is None
     fields = {} if trained_head else task.config_fields()
-    config = _load("model config", AutoConfig.from_pretrained, name_or_path, **fields)
+    config = _load(
+        "model config", AutoConfig.from_pretrained, name_or_path, trust_remote_code=trust_remote_code, **fields
+    )
     model, info = _load(
         "sequence classifier",
         AutoModelForSequenceClassification.from_pretrained,
         name_or_path,
         config=config,
         dtype=torch.float32,  # fp32 master weights even from a bf16/fp16 checkpoint; autocast does the rest
-        ignore_mismatched_sizes=not trained_head,  # fine-tuning on other labels gets a fresh head
+        ignore_mismatched_sizes=ignore_mismatched_sizes and not trained_head,  # other labels get a fresh head
+        trust_remote_code=trust_remote_code,
         output_loading_info=True,
     )
     if trained_head and info["missing_keys"]:
