@@ -166,9 +166,11 @@ def write_model_card(output_dir: Path, settings: dict, results: dict):
         lines += ["## Labels", "", "| id | label |", "| --- | --- |"]
         lines += [f"| {i} | {name} |" for i, name in enumerate(labels)] + [""]
 
-    metrics = {k: v for k, v in results.items() if k.startswith("eval_") and isinstance(v, (int, float))}
+    metrics = {k: v for k, v in results.items() if k.startswith("eval_") and "samples" not in k}
     if metrics:
-        lines += ["## Results", "", "On the validation data, at the end of training:", "", "| metric | value |"]
+        examples = f" ({results['eval_samples']} examples)" if "eval_samples" in results else ""
+        lines += ["## Results", "", f"On the validation data{examples}, at the end of training:", ""]
+        lines += ["| metric | value |"]
         lines += ["| --- | --- |"] + [f"| {k.removeprefix('eval_')} | {v:.4g} |" for k, v in metrics.items()] + [""]
 
     lines += ["## Training", "", "| setting | value |", "| --- | --- |"]
