@@ -181,7 +181,7 @@ def _multi_label_names(dataset: Dataset, label_column: str) -> tuple[str, ...]:
 def balanced_weights(task: Task, rows: list) -> tuple[float, ...]:
     """scikit-learn's 'balanced' class weights, n_rows / (n_classes * count), for single-label rows; for
     multi-label rows each label's negatives / positives, the BCE pos_weight that balances that label."""
-    counts = Counter(name for row in rows for name in (row if task.is_multi_label else [row]))
+    counts = Counter(name for row in rows for name in (set(row) if task.is_multi_label else [row]))
     absent = [name for name in task.label_names if not counts[name]]
     if absent:
         raise UserError(
