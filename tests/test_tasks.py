@@ -4,6 +4,7 @@ import csv
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 
@@ -475,13 +476,19 @@ def test_notebook_launcher_runs_two_cpu_processes(tmp_path, tiny_model):
         "from accelerate import notebook_launcher\n"
         "import train\n"
         f"notebook_launcher(train.main, (train.parse_train_args({flags!r}),), num_processes=2, "
-        f"use_port='{random.randint(20000, 40000)}')\n"
+        # A fresh generator: the runs in this process seeded the global one, and a fixed port may still be held.
+        f"use_port='{random.Random().randint(20000, 40000)}')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    log = result.stdout + result.stderr
+    # Its own session, so that a timeout ends the forked workers too, not only the launching interpreter.
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    try:
+        log, _ = launcher.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)  # the session it started: the interpreter and its workers
+        raise
+    assert launcher.returncode == 0, log[-3000:]
     assert log.count("Running training") == 1 and "Processes = 2 on cpu" in log, "one group of 2, logging once"
     results = json.loads((tmp_path / "out" / "all_results.json").read_text())
     assert results["num_processes"] == 2 and results["cpu_threads_per_process"] >= 1 and results["eval_samples"] == 9
