@@ -4,9 +4,9 @@
 
 The model folder may hold a whole model or a LoRA adapter and head (train.py --use_peft) on the base model it names.
 
-Writes eval_results.json, predictions.csv (one row per example, in the data's order) and a picture
-(confusion matrix, or predicted-vs-true scatter for regression). The files are the same whether it
-runs on 1 or many processes.
+Writes eval_results.json, predictions.csv (one row per example, in the data's order; multi-label
+label sets as JSON lists) and a picture (confusion matrix, or predicted-vs-true scatter for regression).
+The files are the same whether it runs on 1 or many processes.
 """
 
 import csv
@@ -20,7 +20,15 @@ from accelerate.logging import get_logger
 from datasets import Dataset
 
 from src.args import build_eval_parser, parse_args
-from src.data import build_eval_dataloader, detect_columns, load_file, load_hub_dataset, pick_split, tokenize
+from src.data import (
+    build_eval_dataloader,
+    detect_columns,
+    glue_labels,
+    load_file,
+    load_hub_dataset,
+    pick_split,
+    tokenize,
+)
 from src.errors import UserError, main_process_first, run_cli
 from src.evaluation import evaluate
 from src.model import load_model, load_tokenizer, resolve_max_length
@@ -56,7 +64,7 @@ def training_settings(model_dir: str) -> dict:
 def load_split(args) -> Dataset:
     if args.validation_file:
         return load_file(args.validation_file)
-    splits = load_hub_dataset(args.dataset_name, args.dataset_config_name)
+    splits = load_hub_dataset(args.dataset_name, args.dataset_config_name, instead="--validation_file")
     name = pick_split(splits, args.split)
     if name is None:
         raise UserError(f"--split {args.split}: {args.dataset_name} has only {', '.join(splits)}")
@@ -86,12 +94,17 @@ def main(args):
             args.label_column or remembered.get("label_column"),
             need_label=False,
         )
-        tokenizer = load_tokenizer(args.model_name_or_path)
+        if trained.get("task_name"):  # GLUE ids in a local file, named as the model's labels are
+            data = glue_labels(data, trained["task_name"], label_column)
+        tokenizer = load_tokenizer(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
         # A whole model, or a LoRA output's adapter and head on its base model (in the dtypes training used).
         model = load_model(
-            args.model_name_or_path, pad_token_id=tokenizer.pad_token_id, mixed_precision=accelerator.mixed_precision
-        )
-        task = task_of_config(model.config)
+            args.model_name_or_path, pad_token_id=tokenizer.pad_token_id, mixed_precision=accelerator.mixed_precision,
+            trust_remote_code=args.trust_remote_code,
+        )  # fmt: skip
+        # The training run's class weights (its evaluation loss used them too) and threshold, unless told otherwise.
+        threshold = args.multi_label_threshold or trained.get("multi_label_threshold", 0.5)
+        task = task_of_config(model.config, trained.get("class_weight_values"), threshold)
         # The training run's --max_length unless told otherwise: texts cut elsewhere get other predictions.
         args.max_length = resolve_max_length(args.max_length or trained.get("max_length"), tokenizer, model.config)
         dataset = tokenize(data, tokenizer, (text_column, pair_column, label_column), args.max_length, task)
@@ -108,7 +121,14 @@ def main(args):
         args.output_dir.mkdir(parents=True, exist_ok=True)
         # Rounded so that summation order (batch size, number of processes) cannot change the file.
         write_json(args.output_dir / "eval_results.json", {k: round(v, 6) for k, v in metrics.items()})
-        show = (lambda v: f"{v:.4f}") if task.is_regression else (lambda v: task.label_names[v])
+
+        def show(value):
+            if task.is_regression:
+                return f"{value:.4f}"
+            if task.is_multi_label:  # a JSON list of names: unambiguous whatever the names hold, [] for none
+                return json.dumps(task.names_of(value), ensure_ascii=False)
+            return task.label_names[value]
+
         with open(args.output_dir / "predictions.csv", "w", newline="") as file:
             writer = csv.writer(file)
             has_labels = "label" in columns
@@ -117,7 +137,7 @@ def main(args):
                 values = [columns["index"][row]] + ([show(columns["label"][row])] if has_labels else [])
                 writer.writerow(values + [show(columns["prediction"][row])])
         written = ["eval_results.json", "predictions.csv"]
-        if "label" in columns:
+        if "label" in columns and not task.is_multi_label:  # multi-label: per-label F1 in eval_results.json
             picture = args.output_dir / ("predictions_vs_labels.png" if task.is_regression else "confusion_matrix.png")
             if task.is_regression:
                 plot_regression(columns["label"], columns["prediction"], picture)

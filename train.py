@@ -32,7 +32,8 @@ from src.checkpoint import (
 )
 from src.data import build_eval_dataloader, build_train_dataloader, detect_columns, load_raw_splits, tokenize
 from src.errors import UserError, main_process_first, run_cli
-from src.evaluation import evaluate
+from src.evaluation import evaluate, evaluate_more
+from src.hub import check_hub_access, push_to_hub, write_model_card
 from src.metrics import check_best_metric, greater_is_better
 from src.model import build_model, count_parameters, default_model_path, load_tokenizer, resolve_max_length, save_model
 from src.reporting import (
@@ -88,46 +89,63 @@ def build_optimizer(model, args, device) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=args.learning_rate, fused=device.type in ("cpu", "cuda"))
 
 
-def main(args):
-    accelerator = build_accelerator(args)
-    setup_logging()
-    check_output_dir(args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
-    resume_path = (
-        resolve_checkpoint(args.resume_from_checkpoint, args.output_dir) if args.resume_from_checkpoint else None
-    )
-    set_seed(args.seed)
+def load_data_and_model(args, accelerator):
+    """The task (from the training labels), tokenizer, tokenized splits and the model to train.
 
-    # Data and model: rank 0 goes first and fills the caches (and downloads); the other ranks then read them.
+    Rank 0 goes first and fills the caches (and downloads); the other ranks then read them.
+    """
     args.model_name_or_path = args.model_name_or_path or default_model_path()
     with main_process_first(accelerator):
         raw = load_raw_splits(args)
         columns = detect_columns(raw["train"].column_names, args.text_column, args.text_pair_column, args.label_column)
         args.text_column, args.text_pair_column, args.label_column = columns
-        task = detect_task(raw["train"], args.label_column)
-        tokenizer = load_tokenizer(args.model_name_or_path)
-        model = build_model(args, task, tokenizer, accelerator)  # a new head; LoRA and gradient checkpointing if asked
+        task = detect_task(raw["train"], args.label_column, args.class_weights, args.multi_label_threshold)
+        args.class_weight_values = task.weights_by_label()  # in args.json, so evaluate.py weighs its loss the same
+        tokenizer = load_tokenizer(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+        # A new head; LoRA and gradient checkpointing if asked.
+        model = build_model(args, task, tokenizer, accelerator, trust_remote_code=args.trust_remote_code,
+                            ignore_mismatched_sizes=args.ignore_mismatched_sizes)  # fmt: skip
         args.max_length = resolve_max_length(args.max_length, tokenizer, model.config)
-        train_dataset = tokenize(raw["train"], tokenizer, columns, args.max_length, task)
-        eval_dataset = tokenize(raw["validation"], tokenizer, columns, args.max_length, task)
+        # 'train', 'validation' and any further validation split (MNLI's 'validation_mismatched').
+        splits = {name: tokenize(split, tokenizer, columns, args.max_length, task) for name, split in raw.items()}
+    return task, tokenizer, splits, model
+
+
+def main(args):
+    accelerator = build_accelerator(args)
+    setup_logging()
+    check_output_dir(args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
+    resume = args.resume_from_checkpoint
+    resume_path = resolve_checkpoint(resume, args.output_dir) if resume else None
+    hub_target = check_hub_access(args, accelerator)  # in seconds, before hours of training; the token leaves args
+    set_seed(args.seed)
+
+    task, tokenizer, splits, model = load_data_and_model(args, accelerator)
     args.metric_for_best_model = check_best_metric(args.metric_for_best_model, task)
     if args.greater_is_better is None:
         args.greater_is_better = greater_is_better(args.metric_for_best_model)
     trainable_parameters, total_parameters = count_parameters(model)  # before prepare() wraps (and perhaps shards) it
 
     optimizer = build_optimizer(model, args, accelerator.device)
-    pad_to_multiple_of = 8 if accelerator.device.type == "cuda" else None  # tensor cores want multiples of 8
+    padding = {
+        "pad_to_multiple_of": 8 if accelerator.device.type == "cuda" else None,  # tensor cores want multiples of 8
+        "pad_to_length": args.max_length if args.pad_to_max_length else None,
+    }
     if args.auto_find_batch_size:
-        fit_batch_size(args, accelerator, model, train_dataset, tokenizer, task, resume_path, pad_to_multiple_of)
+        fit_batch_size(args, accelerator, model, splits["train"], tokenizer, task, resume_path, padding)
     train_dataloader = build_train_dataloader(
-        train_dataset, tokenizer, args.per_device_train_batch_size, accelerator.num_processes, args.seed,
-        args.group_by_length, pad_to_multiple_of, accelerator.gradient_accumulation_steps,
+        splits["train"], tokenizer, args.per_device_train_batch_size, accelerator.num_processes, args.seed,
+        args.group_by_length, accumulation=accelerator.gradient_accumulation_steps, **padding,
     )  # fmt: skip
-    eval_dataloader = build_eval_dataloader(
-        eval_dataset, tokenizer, args.per_device_eval_batch_size, pad_to_multiple_of
+    eval_dataloaders = {
+        name: build_eval_dataloader(split, tokenizer, args.per_device_eval_batch_size, **padding)
+        for name, split in splits.items()
+        if name.startswith("validation")
+    }
+    model, optimizer, train_dataloader, *eval_dataloaders_prepared = accelerator.prepare(
+        model, optimizer, train_dataloader, *eval_dataloaders.values()
     )
-    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader
-    )
+    eval_dataloaders = dict(zip(eval_dataloaders, eval_dataloaders_prepared))
     # Every rank started from the same weights; from here each draws its own dropout masks.
     set_seed(args.seed, device_specific=True)
 
@@ -137,10 +155,11 @@ def main(args):
     steps_per_epoch = math.ceil(len(train_dataloader) / accumulation)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     num_epochs = math.ceil(max_train_steps / steps_per_epoch)
+    warmup_steps = args.num_warmup_steps if args.num_warmup_steps is not None else args.warmup_ratio * max_train_steps
     lr_scheduler = get_scheduler(
         args.lr_scheduler_type,
         optimizer,
-        num_warmup_steps=math.ceil(args.warmup_ratio * max_train_steps),
+        num_warmup_steps=math.ceil(warmup_steps),
         num_training_steps=max_train_steps,
     )
     accelerator.register_for_checkpointing(lr_scheduler)  # stepped once per update by the loop, saved with the state
@@ -154,7 +173,7 @@ def main(args):
         f"  Parameters = {total_parameters:,}, trainable {trainable_parameters:,} "
         f"({100 * trainable_parameters / total_parameters:.2f}%)"
     )
-    logger.info(f"  Num examples = {len(train_dataset)} train, {len(eval_dataset)} validation")
+    logger.info(f"  Num examples = {len(splits['train'])} train, {len(splits['validation'])} validation")
     logger.info(
         f"  Processes = {accelerator.num_processes} on {accelerator.device.type} "
         f"({accelerator.distributed_type.value}), {args.cpu_threads} CPU threads per process, "
@@ -173,10 +192,11 @@ def main(args):
     # Signals are turned into a checkpoint from here on; a signal during the final save waits for it to end.
     with StopSignals() as stop_signals:
         eval_metrics, throughput, stop_status = train_loop(
-            args, accelerator, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader, task, state,
-            max_train_steps, num_epochs, stop_signals,
+            args, accelerator, model, optimizer, lr_scheduler, train_dataloader, eval_dataloaders.pop("validation"),
+            task, state, max_train_steps, num_epochs, stop_signals,
         )  # fmt: skip
         if stop_status is None:
+            eval_metrics |= evaluate_more(model, eval_dataloaders, accelerator, task)  # MNLI mismatched, at the end
             results = {
                 **eval_metrics,
                 **throughput,
@@ -195,6 +215,7 @@ def main(args):
     accelerator.end_training()
     if stop_status is not None:
         raise SystemExit(stop_status)  # stopped by a signal or --max_time, with a checkpoint to resume from
+    push_to_hub(args, accelerator, hub_target)  # outside StopSignals: Ctrl-C may interrupt a slow upload
     summary = ", ".join(f"{k} = {v:.4f}" for k, v in eval_metrics.items() if k != "eval_samples")
     logger.info(f"Done in {results['train_runtime']:.0f}s: {summary}")
     logger.info(f"Model, all_results.json, metrics.jsonl and training_curves.png are in {args.output_dir.resolve()}")
@@ -376,10 +397,11 @@ def train_loop(
 def save_final(args, accelerator, model, tokenizer, results: dict):
     """The model (or LoRA adapter and head), tokenizer and results."""
     accelerator.wait_for_everyone()
-    save_model(accelerator, model, args.output_dir, args.merge_lora)
+    save_model(accelerator, model, args.output_dir, args.merge_lora, args.trust_remote_code)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         write_json(args.output_dir / "all_results.json", results)
+        write_model_card(args.output_dir, vars(args), results)
         plot_training_curves(read_jsonl(args.output_dir / "metrics.jsonl"), args.output_dir / "training_curves.png")
 
 

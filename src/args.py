@@ -14,9 +14,12 @@ from pathlib import Path
 
 import yaml
 
+from src.glue import GLUE_TASKS
+
 SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
 PRECISIONS = ["no", "fp16", "bf16"]
-TRACKERS = ["tensorboard", "wandb", "mlflow", "none"]
+# "all": every installed tracker that accelerate supports, as in transformers' examples.
+TRACKERS = ["tensorboard", "wandb", "mlflow", "comet_ml", "clearml", "all", "none"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -58,6 +61,42 @@ def _fraction(text):
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
+
+
+def _threshold(text):
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def _yes_no(text):
+    # transformers' examples declare this flag with type=bool, where "--trust_remote_code False" meant True.
+    words = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+    if text.lower() not in words:
+        raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
+    return words[text.lower()]
+
+
+def _add_remote_code_argument(group):
+    group.add_argument(
+        "--trust_remote_code",
+        type=_yes_no,
+        nargs="?",
+        const=True,
+        default=False,
+        help="Run the Python code that a model or tokenizer repository ships (its own architecture). Only for "
+        "repositories whose code you have read: it runs on your machine. Datasets never run code (datasets 5).",
+    )
+
+
+def _add_multi_label_threshold_argument(group, default, help_default):
+    group.add_argument(
+        "--multi_label_threshold",
+        type=_threshold,
+        default=default,
+        help=f"Multi-label: a label is predicted when its sigmoid probability is above this. {help_default}",
+    )
 
 
 def _steps_or_epoch(text):
@@ -136,8 +175,25 @@ def build_train_parser() -> ArgumentParser:
         help="Before training, try --per_device_train_batch_size on the longest examples and halve it until it fits "
         "in memory, raising --gradient_accumulation_steps to keep the total batch. Not under FSDP or DeepSpeed.",
     )
+    _add_remote_code_argument(model)
+    model.add_argument(
+        "--ignore_mismatched_sizes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Give a checkpoint whose classification head has another number of labels a new head (e.g. an MNLI "
+        "model fine-tuned on 2 classes); --no-ignore_mismatched_sizes refuses such a checkpoint instead.",
+    )
+    model.add_argument(
+        "--use_slow_tokenizer", action="store_true", help="Not available: transformers 5 has fast tokenizers only."
+    )
 
     data = parser.add_argument_group("data (no dataset or files: the built-in synthetic demo task)")
+    data.add_argument(
+        "--task_name",
+        choices=list(GLUE_TASKS),
+        help="A GLUE task: nyu-mll/glue from the Hub, or --train_file/--validation_file in its columns; GLUE's "
+        "labels, metrics and metric for the best model (MNLI from the Hub: mismatched as eval_*_mm too).",
+    )
     data.add_argument("--train_file", type=Path, help="Training data: .csv, .tsv, .json, .jsonl or .parquet.")
     data.add_argument("--validation_file", type=Path, help="Validation data, same formats as --train_file.")
     _add_data_arguments(data, "the validation split")
@@ -148,6 +204,23 @@ def build_train_parser() -> ArgumentParser:
         default=10,
         help="Percent of the training rows held out for validation when there is no validation split.",
     )
+    data.add_argument(
+        "--pad_to_max_length",
+        action=argparse.BooleanOptionalAction,
+        help="Pad every batch to --max_length (fixed shapes, for hardware that wants them) instead of to its "
+        "longest example.",
+    )
+
+    labels = parser.add_argument_group("labels and loss")
+    labels.add_argument(
+        "--class_weights",
+        choices=["none", "balanced"],
+        default="none",
+        help="balanced: weigh each class's loss by n_rows / (n_classes * its count) in the training data; for "
+        "multi-label, each label's positives by its negatives / positives (BCE pos_weight). Saved in args.json "
+        "(class_weight_values) and applied to the evaluation loss too.",
+    )
+    _add_multi_label_threshold_argument(labels, 0.5, "")
 
     train = parser.add_argument_group("training")
     train.add_argument("--output_dir", type=Path, default=Path("outputs/run"), help="Where everything is written.")
@@ -165,6 +238,9 @@ def build_train_parser() -> ArgumentParser:
     )
     train.add_argument("--lr_scheduler_type", choices=SCHEDULERS, default="linear", help="Learning-rate schedule.")
     train.add_argument("--warmup_ratio", type=_fraction, default=0.1, help="Fraction of steps spent warming up.")
+    train.add_argument(
+        "--num_warmup_steps", type=_non_negative_int, help="Warm up for this many steps; wins over --warmup_ratio."
+    )
     train.add_argument(
         "--max_grad_norm", type=_non_negative_float, default=1.0, help="Gradient clipping; 0 turns it off."
     )
@@ -200,8 +276,9 @@ def build_train_parser() -> ArgumentParser:
     )
     evaluation.add_argument(
         "--metric_for_best_model",
-        help="Metric that decides the best model: accuracy, f1, matthews_correlation, pearson, spearmanr, mse or "
-        "loss. Default: accuracy for classification, mse for regression.",
+        help="Metric that decides the best model: accuracy, f1, matthews_correlation (classification); pearson, "
+        "spearmanr, mse (regression); f1_micro, f1_macro, exact_match, f1/<label> (multi-label); or loss. Default: "
+        "accuracy, mse, f1_micro, or GLUE's metric for --task_name.",
     )
     evaluation.add_argument(
         "--greater_is_better",
@@ -248,7 +325,29 @@ def build_train_parser() -> ArgumentParser:
     logging.add_argument(
         "--logging_steps", type=_positive_int, default=10, help="Log loss and throughput every N steps."
     )
-    logging.add_argument("--report_to", choices=TRACKERS, default="tensorboard", help="Experiment tracker.")
+    logging.add_argument(
+        "--report_to",
+        choices=TRACKERS,
+        default="tensorboard",
+        help="Experiment tracker; all: every installed one that accelerate supports.",
+    )
+    logging.add_argument(
+        "--with_tracking",
+        action=argparse.BooleanOptionalAction,
+        help="Kept for run_glue_no_trainer.py commands: tracking is on by default here (--report_to).",
+    )
+
+    hub = parser.add_argument_group("Hugging Face Hub")
+    hub.add_argument(
+        "--push_to_hub",
+        action=argparse.BooleanOptionalAction,
+        help="Upload the final model, tokenizer, model card and results. Access is checked before training starts.",
+    )
+    hub.add_argument("--hub_model_id", help="Repository to push to, name or owner/name. Default: --output_dir's name.")
+    hub.add_argument(
+        "--hub_token",
+        help="Hub token. Default: HF_TOKEN, else the `hf auth login` cache (better: a flag shows in `ps`). Not saved.",
+    )
     return parser
 
 
@@ -260,6 +359,8 @@ def build_eval_parser() -> ArgumentParser:
     )
     parser.add_argument("--config", type=Path, help="YAML file with any of these flags as keys; the command line wins.")
     parser.add_argument("--model_name_or_path", help="Required: a train.py output folder (or a fine-tuned classifier).")
+    _add_remote_code_argument(parser)
+    _add_multi_label_threshold_argument(parser, None, "Default: the training run's (args.json), else 0.5.")
     data = parser.add_argument_group("data")
     data.add_argument("--validation_file", type=Path, help="Data to evaluate: .csv, .tsv, .json, .jsonl or .parquet.")
     data.add_argument("--split", default="validation", help="Split of --dataset_name to evaluate.")
@@ -312,8 +413,15 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
     return words
 
 
+def in_notebook() -> bool:
+    """Inside a Jupyter (or Colab) kernel, whose own command line (`-f kernel.json`) holds no flags of ours."""
+    return "ipykernel" in sys.modules or Path(sys.argv[0]).name in ("ipykernel_launcher.py", "colab_kernel_launcher.py")
+
+
 def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse `argv` (default: sys.argv), with the values of `--config` placed before the command line's own."""
+    """Parse `argv` (default: sys.argv; in a notebook, nothing), with `--config`'s values before the command line."""
+    if argv is None and in_notebook():
+        argv = []  # pass the flags as a list instead: parse_train_args(["--train_file", "train.csv", ...])
     first = parser.parse_args(argv)
     if first.config is None:
         return first
@@ -348,6 +456,24 @@ def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> arg
         parser.error("--merge_lora merges a LoRA adapter into the model: it needs --use_peft")
     if not args.lora_target_modules.replace(",", "").strip():
         parser.error("--lora_target_modules needs module names (e.g. q_proj,v_proj) or all-linear")
-    if args.report_to in ("wandb", "mlflow") and importlib.util.find_spec(args.report_to) is None:
-        parser.error(f"--report_to {args.report_to}: the package is not installed; `pip install {args.report_to}`")
+    if args.report_to not in ("tensorboard", "all", "none") and importlib.util.find_spec(args.report_to) is None:
+        package = args.report_to.replace("_", "-")
+        parser.error(f"--report_to {args.report_to}: the package is not installed; `pip install {package}`")
+    if args.with_tracking and args.report_to == "none":
+        parser.error("--with_tracking asks for a tracker and --report_to none for none: choose one")
+    if args.use_slow_tokenizer:
+        parser.error(
+            "--use_slow_tokenizer: transformers 5 loads every tokenizer with its fast (tokenizers) backend and has "
+            "no slow ones; drop the flag"
+        )
+    if args.task_name:
+        if args.dataset_name:
+            parser.error("give either --task_name (GLUE) or --dataset_name, not both")
+        text, pair, _, best_metric = GLUE_TASKS[args.task_name]
+        if args.text_column is None and args.text_pair_column is None:
+            args.text_column, args.text_pair_column = text, pair
+        args.metric_for_best_model = args.metric_for_best_model or best_metric
+    for flag in ("hub_model_id", "hub_token"):
+        if getattr(args, flag) and not args.push_to_hub:
+            parser.error(f"--{flag} is for --push_to_hub; add it, or drop --{flag}")
     return args

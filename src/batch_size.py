@@ -10,14 +10,14 @@ all-reduce. The ranks then take the smallest size any of them found. FSDP and De
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
-from transformers import DataCollatorWithPadding
 
 from src.checkpoint import STATE_FILE
-from src.data import INDEX_COLUMN, LENGTH_COLUMN
+from src.data import INDEX_COLUMN, LENGTH_COLUMN, build_collator, lengths_of
 from src.errors import UserError
 
 logger = get_logger(__name__)
@@ -29,9 +29,10 @@ def next_smaller(size: int, requested: int) -> int:
     return max((d for d in range(1, size // 2 + 1) if requested % d == 0), default=0)
 
 
-def fit_batch_size(args, accelerator, model, dataset, tokenizer, task, resume_path=None, pad_to_multiple_of=None):
+def fit_batch_size(args, accelerator, model, dataset, tokenizer, task, resume_path=None, padding=None):
     """Set --per_device_train_batch_size to the largest size that fits on every rank (and --gradient_accumulation_steps
-    to keep the total batch); a resumed run keeps the sizes its checkpoint was made with."""
+    to keep the total batch); a resumed run keeps the sizes its checkpoint was made with. `padding`: the
+    collator's options (`pad_to_multiple_of`, `pad_to_length`), as training will pad."""
     requested, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     if resume_path is not None:
         found = _sizes_of_checkpoint(resume_path)
@@ -46,12 +47,12 @@ def fit_batch_size(args, accelerator, model, dataset, tokenizer, task, resume_pa
     model.to(accelerator.device)  # where prepare() would put it
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     size = requested
-    while size and not _fits(model, _longest_batch(dataset, tokenizer, size, pad_to_multiple_of), task, accelerator,
+    while size and not _fits(model, _longest_batch(dataset, tokenizer, size, padding or {}), task, accelerator,
                              trainable):  # fmt: skip
         clear_device_cache(garbage_collection=True)  # the failed attempt's tensors, freed with its traceback
         size = next_smaller(size, requested)
     size = int(accelerator.gather(torch.tensor([size], device=accelerator.device)).min())  # every rank, same size
-    longest = max(dataset[LENGTH_COLUMN])
+    longest = int(lengths_of(dataset).max())
     if size == 0:
         raise UserError(
             f"--auto_find_batch_size: even 1 example of {longest} tokens per device runs out of memory; lower "
@@ -85,11 +86,10 @@ def _sizes_of_checkpoint(path: Path) -> tuple[int, int] | None:
         return None  # loading the checkpoint reports what is wrong with it
 
 
-def _longest_batch(dataset, tokenizer, size, pad_to_multiple_of) -> dict:
-    lengths = dataset[LENGTH_COLUMN]
-    longest = sorted(range(len(dataset)), key=lambda i: -lengths[i])[:size]
+def _longest_batch(dataset, tokenizer, size, padding: dict) -> dict:
+    longest = np.argsort(-lengths_of(dataset), kind="stable")[:size].tolist()
     rows = dataset.select(longest).remove_columns([INDEX_COLUMN, LENGTH_COLUMN])
-    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)([row for row in rows])
+    return build_collator(tokenizer, **padding)([row for row in rows])
 
 
 def _fits(model, batch, task, accelerator, trainable: int) -> bool:

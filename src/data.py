@@ -6,14 +6,16 @@ Every function here runs identically on every rank; train.py calls the loading a
 
 from pathlib import Path
 
+import datasets.config
 import numpy as np
 import torch
-from datasets import ClassLabel, Dataset, DatasetDict, load_dataset
+from datasets import ClassLabel, Dataset, DatasetDict, Value, load_dataset
 from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorWithPadding
 
 from src.errors import UserError
-from src.task import Task
+from src.glue import GLUE_DATASET, GLUE_TASKS, MNLI_MISMATCHED
+from src.task import Task, label_namer
 
 # The `datasets` builder (and its options) for each local file type. GLUE-style TSVs are unquoted.
 FILE_BUILDERS = {
@@ -54,12 +56,22 @@ def load_file(path: Path) -> Dataset:
     return dataset
 
 
-def load_hub_dataset(dataset_name: str, config_name: str | None) -> DatasetDict:
+def load_hub_dataset(
+    dataset_name: str, config_name: str | None, flag: str = "", instead: str = "--train_file and --validation_file"
+) -> DatasetDict:
+    """A Hub dataset; errors name `flag` (default: --dataset_name) and say which local files to pass `instead`."""
+    flag = flag or f"--dataset_name {dataset_name}"
     try:
         return load_dataset(dataset_name, config_name)
+    except ConnectionError as err:  # how datasets says "offline": no network, a firewall, or HF_HUB_OFFLINE=1
+        offline = " (HF_HUB_OFFLINE is set)" if datasets.config.HF_HUB_OFFLINE else ""
+        raise UserError(
+            f"{flag}: cannot be loaded, the Hugging Face Hub is unreachable{offline}; pass local files instead: "
+            f"{instead}"
+        ) from err
     except Exception as err:
         raise UserError(
-            f"--dataset_name {dataset_name}: cannot be loaded ({' '.join(str(err).split())[:300]}); check the name, "
+            f"{flag}: cannot be loaded ({' '.join(str(err).split())[:300]}); check the name, "
             "--dataset_config_name and network access, or use local files instead"
         ) from err
 
@@ -72,8 +84,17 @@ def pick_split(splits: DatasetDict, split: str) -> str | None:
 
 
 def load_raw_splits(args) -> DatasetDict:
-    """The 'train' and 'validation' splits that train.py asks for (the demo task when no data is named)."""
-    if args.dataset_name:
+    """The 'train' and 'validation' splits that train.py asks for (the demo task when no data is named), and
+    any further validation split evaluated at the end ('validation_mm': MNLI's mismatched one)."""
+    if args.task_name and not args.train_file:
+        text, pair, _, _ = GLUE_TASKS[args.task_name]
+        columns = ", ".join(c for c in (text, pair, "label") if c)
+        instead = f"--train_file and --validation_file with GLUE's columns ({columns})"
+        hub = load_hub_dataset(GLUE_DATASET, args.task_name, f"--task_name {args.task_name} ({GLUE_DATASET})", instead)
+        splits = DatasetDict(train=hub["train"], validation=hub[pick_split(hub, "validation")])
+        if MNLI_MISMATCHED[0] in hub:
+            splits[f"validation_{MNLI_MISMATCHED[1]}"] = hub[MNLI_MISMATCHED[0]]
+    elif args.dataset_name:
         hub = load_hub_dataset(args.dataset_name, args.dataset_config_name)
         if "train" not in hub:
             raise UserError(f"--dataset_name {args.dataset_name} has no 'train' split; it has {', '.join(hub)}")
@@ -92,9 +113,32 @@ def load_raw_splits(args) -> DatasetDict:
         splits = DatasetDict(train=held_out["train"], validation=held_out["test"])
     if args.max_train_samples:
         splits["train"] = splits["train"].select(range(min(args.max_train_samples, len(splits["train"]))))
-    if args.max_eval_samples:
-        splits["validation"] = splits["validation"].select(range(min(args.max_eval_samples, len(splits["validation"]))))
+    for name in splits:
+        if name.startswith("validation") and args.max_eval_samples:
+            splits[name] = splits[name].select(range(min(args.max_eval_samples, len(splits[name]))))
+    if args.task_name and args.train_file:
+        for name in splits:
+            splits[name] = glue_labels(splits[name], args.task_name, args.label_column)
     return splits
+
+
+def glue_labels(dataset: Dataset, task_name: str, label_column: str | None) -> Dataset:
+    """A local file in GLUE's columns, labelled as the Hub's copy is: the task's label names for ids 0, 1, ...
+    (or the names themselves), and STS-B's scores as floats, so that integer scores still mean regression."""
+    label_column = label_column or "label"
+    if label_column not in dataset.column_names or isinstance(dataset.features[label_column], ClassLabel):
+        return dataset  # unlabelled, or labelled already
+    names = GLUE_TASKS[task_name][2]
+    if names is None:
+        return dataset.cast_column(label_column, Value("float32"))
+    allowed = set(names) | set(range(-1, len(names)))  # -1: GLUE's unlabelled test rows
+    wrong = [v for v in dataset.unique(label_column) if v not in allowed]
+    if wrong:
+        raise UserError(
+            f"--task_name {task_name}: label column {label_column!r} holds {', '.join(map(str, wrong[:5]))}; "
+            f"GLUE's {task_name} labels are {', '.join(names)} or their ids 0-{len(names) - 1}"
+        )
+    return dataset.cast_column(label_column, ClassLabel(names=list(names)))
 
 
 def detect_columns(
@@ -136,12 +180,15 @@ def tokenize(dataset: Dataset, tokenizer, columns: tuple, max_length: int, task:
     know, e.g. evaluating on a class the model never saw.
     """
     text_column, text_pair_column, label_column = columns
-    class_label = dataset.features[label_column] if label_column else None
-    class_names = class_label.names if isinstance(class_label, ClassLabel) else None
-    if class_names is not None and -1 in dataset.unique(label_column):
+    if label_column and isinstance(dataset.features[label_column], ClassLabel) and -1 in dataset.unique(label_column):
         if set(dataset.unique(label_column)) != {-1}:
             raise UserError(f"label column {label_column!r} marks some rows as unlabelled (-1); drop those rows")
         label_column = None  # an unlabelled split, e.g. GLUE's test sets
+    name_of, multi_label = label_namer(dataset, label_column) if label_column else (None, task.is_multi_label)
+    if multi_label != task.is_multi_label:
+        rows = "lists of labels" if multi_label else "one label per row"
+        raise UserError(f"label column {label_column!r} holds {rows}, but the model does {task.describe()}")
+    label2id = task.label2id
 
     def encode(rows, indices):
         texts = [str(t) if t is not None else "" for t in rows[text_column]]
@@ -155,15 +202,17 @@ def tokenize(dataset: Dataset, tokenizer, columns: tuple, max_length: int, task:
         if task.is_regression:
             encoded["labels"] = [float(v) for v in raw]
             return encoded
-        names = [class_names[v] if class_names else str(v) for v in raw]
-        label2id = task.label2id
-        unknown = sorted({n for n in names if n not in label2id})
+        names = [name_of(v) for v in raw]
+        unknown = sorted({n for row in names for n in (row if multi_label else [row]) if n not in label2id})
         if unknown:
             raise UserError(
                 f"label(s) {', '.join(unknown[:10])} in column {label_column!r} are not among the model's labels "
                 f"({', '.join(label2id)})"
             )
-        encoded["labels"] = [label2id[n] for n in names]
+        if multi_label:  # multi-hot floats, the targets of BCE-with-logits
+            encoded["labels"] = [[float(name in chosen) for name in label2id] for chosen in map(set, names)]
+        else:
+            encoded["labels"] = [label2id[n] for n in names]
         return encoded
 
     return dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names, desc="Tokenizing")
@@ -221,23 +270,24 @@ def lengths_of(dataset: Dataset) -> np.ndarray:
     return dataset.with_format("numpy")[LENGTH_COLUMN][:]
 
 
+def build_collator(tokenizer, pad_to_multiple_of=None, pad_to_length=None) -> DataCollatorWithPadding:
+    """Pads each batch to its longest example, or to `pad_to_length` (--pad_to_max_length) for fixed shapes."""
+    if pad_to_length:
+        return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=pad_to_length)
+    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+
+
 def build_train_dataloader(
-    dataset: Dataset,
-    tokenizer,
-    batch_size,
-    num_processes,
-    seed,
-    group_by_length=True,
-    pad_to_multiple_of=None,
-    accumulation=1,
-) -> DataLoader:
+    dataset: Dataset, tokenizer, batch_size, num_processes, seed, group_by_length=True, *, accumulation=1,
+    pad_to_multiple_of=None, pad_to_length=None,
+) -> DataLoader:  # fmt: skip
     update = batch_size * num_processes * accumulation  # the examples of one optimizer step
     sampler = LengthGroupedSampler(lengths_of(dataset), update, seed, group_by_length)
     return DataLoader(
         dataset.remove_columns([INDEX_COLUMN, LENGTH_COLUMN]),
         batch_size=batch_size,
         sampler=sampler,
-        collate_fn=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of),
+        collate_fn=build_collator(tokenizer, pad_to_multiple_of, pad_to_length),
         # The loader's own generator: starting an epoch must not draw from the global RNG that dropout uses,
         # or a resumed run would drop out different units than the uninterrupted one.
         generator=torch.Generator().manual_seed(seed),
@@ -245,14 +295,16 @@ def build_train_dataloader(
     )
 
 
-def build_eval_dataloader(dataset: Dataset, tokenizer, batch_size, pad_to_multiple_of=None) -> DataLoader:
+def build_eval_dataloader(
+    dataset: Dataset, tokenizer, batch_size, pad_to_multiple_of=None, pad_to_length=None
+) -> DataLoader:
     """Longest examples first, so batches hold similar lengths; `evaluate` puts results back in row order."""
     by_length = np.argsort(-lengths_of(dataset), kind="stable").tolist()
     return DataLoader(
         dataset.remove_columns(LENGTH_COLUMN),
         batch_size=batch_size,
         sampler=by_length,
-        collate_fn=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of),
+        collate_fn=build_collator(tokenizer, pad_to_multiple_of, pad_to_length),
         generator=torch.Generator().manual_seed(0),
         pin_memory=torch.cuda.is_available(),
     )

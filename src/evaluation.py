@@ -42,3 +42,15 @@ def evaluate(model, dataloader, accelerator, task: Task) -> tuple[dict, dict]:
         scores = compute_metrics(columns["prediction"].tolist(), columns["label"].tolist(), task)
         metrics.update({f"eval_{name}": value for name, value in scores.items()})
     return metrics, {key: columns[key].tolist() for key in ("index", "label", "prediction") if key in columns}
+
+
+def evaluate_more(model, loaders: dict, accelerator, task: Task) -> dict:
+    """Metrics on further validation splits, each suffixed with the split's name: {'validation_mm': loader} gives
+    eval_accuracy_mm (MNLI's mismatched set, evaluated once at the end as run_glue.py does)."""
+    results = {}
+    for name, loader in loaders.items():
+        suffix = name.removeprefix("validation_")
+        results.update(
+            {f"{key}_{suffix}": value for key, value in evaluate(model, loader, accelerator, task)[0].items()}
+        )
+    return results

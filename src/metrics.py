@@ -20,6 +20,8 @@ LOWER_IS_BETTER = ("mse", "loss")
 
 
 def main_metric(task: Task) -> str:
+    if task.is_multi_label:
+        return "f1_micro"  # exact match is harsh with many labels, and macro F1 noisy with rare ones
     return "mse" if task.is_regression else "accuracy"
 
 
@@ -27,16 +29,16 @@ def check_best_metric(name: str | None, task: Task) -> str:
     """--metric_for_best_model, defaulted and checked against what evaluation reports for this task."""
     if name is None:
         return main_metric(task)
-    known = (
-        ["pearson", "spearmanr", "mse", "loss"]
-        if task.is_regression
-        else ["accuracy", "f1", "matthews_correlation", "loss"]
-    )
+    if task.is_regression:
+        known = ["pearson", "spearmanr", "mse", "loss"]
+    elif task.is_multi_label:
+        known = ["f1_micro", "f1_macro", "exact_match", "loss"] + [f"f1/{label}" for label in task.label_names]
+    else:
+        known = ["accuracy", "f1", "matthews_correlation", "loss"]
     name = name.removeprefix("eval_")
     if name not in known:
-        raise UserError(
-            f"--metric_for_best_model {name!r} is not reported for {task.describe()}; use one of {', '.join(known)}"
-        )
+        choices = ", ".join(known[:4]) + (" or f1/<label>" if task.is_multi_label else "")
+        raise UserError(f"--metric_for_best_model {name!r} is not reported for {task.describe()}; use one of {choices}")
     return name
 
 
@@ -65,8 +67,14 @@ def load_metric(name: str):
 
 
 def compute_metrics(predictions: list, references: list, task: Task) -> dict:
-    """Unprefixed metric values, e.g. {'accuracy': 0.9, 'f1': 0.88, 'matthews_correlation': 0.8}."""
+    """Unprefixed metric values, e.g. {'accuracy': 0.9, 'f1': 0.88, 'matthews_correlation': 0.8}; for multi-label,
+    {'exact_match', 'f1_micro', 'f1_macro', 'f1/<label>' for each label}."""
     results = {}
+    if task.is_multi_label:
+        references = [[int(v) for v in row] for row in references]  # the multi-hot float targets
+        scores = load_metric("multi_label").compute(predictions=predictions, references=references)
+        per_label = scores.pop("f1_per_label")
+        return {**scores, **{f"f1/{label}": value for label, value in zip(task.label_names, per_label)}}
     if task.is_regression:
         with warnings.catch_warnings():  # SciPy warns about constant input; the NaN is replaced below
             warnings.simplefilter("ignore")

@@ -37,7 +37,17 @@ def default_model_path() -> str:
 def _load(what, loader, name_or_path, **kwargs):
     try:
         return loader(name_or_path, **kwargs)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RuntimeError) as err:  # RuntimeError: a head of another size, not ignored
+        if "contains custom code" in str(err):  # transformers refused to run the repository's own code
+            raise UserError(
+                f"--model_name_or_path {name_or_path} ships its own Python code; read it, then pass "
+                "--trust_remote_code to run it, or choose a model that transformers implements"
+            ) from err
+        if "ignore_mismatched_sizes" in str(err):
+            raise UserError(
+                f"--model_name_or_path {name_or_path} has a classification head for another number of labels; "
+                "drop --no-ignore_mismatched_sizes to give it a new head"
+            ) from err
         raise UserError(
             f"--model_name_or_path {name_or_path}: cannot load a {what} ({' '.join(str(err).split())[:300]}); "
             "give a local model folder or a Hub name (Hub names need network access)"

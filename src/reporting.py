@@ -67,7 +67,8 @@ def plot_training_curves(records: list[dict], path: Path) -> dict[str, tuple[lis
     plt = pyplot()
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if any(k.startswith("eval_") for k in r)]
-    eval_keys = sorted({k for r in evals for k in r if k.startswith("eval_") and k not in ("eval_samples",)})
+    # Per-label scores (eval_f1/<label>) stay in metrics.jsonl: a panel for each of many labels would not fit.
+    eval_keys = sorted({k for r in evals for k in r if k.startswith("eval_") and k != "eval_samples" and "/" not in k})
     panels = [("loss", "training loss", train), ("learning_rate", "learning rate", train)]
     panels += [(key, key.removeprefix("eval_").replace("_", " "), evals) for key in eval_keys]
     columns = min(3, len(panels))

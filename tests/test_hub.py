@@ -1,0 +1,192 @@
+"""--push_to_hub against a stand-in for the Hub (HfApi's methods replaced), the token's privacy, model cards."""
+
+import json
+import logging
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx2
+import pytest
+from conftest import load_script, train_args
+from huggingface_hub import HfApi
+from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.utils import filter_repo_objects
+
+import src.hub
+from src.errors import UserError
+from src.hub import HubTarget, check_hub_access, push_to_hub, write_model_card
+
+train = load_script("train")
+SECRET = "hf_SeCrEtToKeN0123456789"
+
+
+class FakeHub:
+    """Records what train.py asks of the Hub; `role`, `refuse` and `delay` make it answer otherwise."""
+
+    def __init__(self, output_dir: Path | None = None):
+        self.output_dir, self.calls, self.uploaded = output_dir, [], None
+        self.role, self.refuse, self.delay, self.upload_error = "write", None, 0, None
+
+    def whoami(self, api, token=None, **kwargs):
+        time.sleep(self.delay)
+        # Whether training had started: it writes args.json first.
+        started = bool(self.output_dir and (self.output_dir / "args.json").exists())
+        self.calls.append(("whoami", token, started))
+        if self.refuse:
+            request = httpx2.Request("GET", "https://huggingface.co/api/whoami-v2")
+            raise HfHubHTTPError("Invalid user token.", response=httpx2.Response(self.refuse, request=request))
+        return {"name": "alice", "auth": {"accessToken": {"role": self.role}}}
+
+    def create_repo(self, api, repo_id, token=None, exist_ok=False, **kwargs):
+        self.calls.append(("create_repo", repo_id, exist_ok))
+        return SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"alice/{repo_id}")
+
+    def upload_folder(self, api, *, repo_id, folder_path, token=None, ignore_patterns=None, **kwargs):
+        if self.upload_error:
+            raise self.upload_error
+        files = sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file())
+        self.uploaded = {"repo_id": repo_id, "token": token,
+                         "files": list(filter_repo_objects(files, ignore_patterns=ignore_patterns))}  # fmt: skip
+
+
+@pytest.fixture
+def one_process():
+    """What check_hub_access and push_to_hub need of an Accelerator (and accelerate's logging needs a state)."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=True)
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    hub = FakeHub()
+    for name in ("whoami", "create_repo", "upload_folder"):
+        monkeypatch.setattr(HfApi, name, lambda api, *a, _name=name, **k: getattr(hub, _name)(api, *a, **k))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    return hub
+
+
+def test_push_checks_first_uploads_last_and_never_writes_the_token(tmp_path, tiny_model, tiny_data, fake_hub, capfd,
+                                                                   caplog):  # fmt: skip
+    out = tmp_path / "my-classifier"
+    fake_hub.output_dir = out
+    args = train_args(tiny_model, *tiny_data, out, "--push_to_hub", "--hub_token", SECRET, "--checkpointing_steps",
+                      "8", "--report_to", "tensorboard", "--num_train_epochs", "1")  # fmt: skip
+    caplog.set_level(logging.INFO)
+    train.main(train.parse_train_args(args))
+
+    assert fake_hub.calls == [("whoami", SECRET, False), ("create_repo", "my-classifier", True)], "before training"
+    uploaded = fake_hub.uploaded
+    assert uploaded["repo_id"] == "alice/my-classifier" and uploaded["token"] == SECRET
+    files = set(uploaded["files"])
+    expected = {"model.safetensors", "config.json", "tokenizer.json", "README.md", "all_results.json", "args.json",
+                "metrics.jsonl", "training_curves.png"}  # fmt: skip
+    assert expected <= files, files
+    assert not [f for f in files if f.startswith(("checkpoint-", "tensorboard/"))]
+    assert (out / "checkpoint-8").is_dir() and list((out / "tensorboard").rglob("events.out.tfevents.*"))
+
+    settings = json.loads((out / "args.json").read_text())
+    assert settings["hub_token"] is None and settings["hub_model_id"] == "alice/my-classifier"
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers") and '"alice/my-classifier"' in card
+    # Nowhere on disk (args.json, checkpoints, TensorBoard's hparams, the card), nor in the logs.
+    for path in out.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+    captured = capfd.readouterr()
+    assert SECRET not in captured.out + captured.err + caplog.text
+    assert "alice/my-classifier" in captured.err + caplog.text
+
+
+def test_the_token_comes_from_hf_token_or_the_login_cache(fake_hub, monkeypatch, tmp_path, one_process):
+    monkeypatch.setenv("HF_TOKEN", "hf_from_the_environment")
+    args = SimpleNamespace(hub_token=None, push_to_hub=True, hub_model_id="team/model", output_dir=tmp_path)
+    target = check_hub_access(args, one_process)
+    assert target == HubTarget("team/model", "hf_from_the_environment") and "hf_from" not in repr(target)
+    assert fake_hub.calls[0] == ("whoami", "hf_from_the_environment", False)
+
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr(src.hub.huggingface_hub, "get_token", lambda: None)  # no `hf auth login` either
+    with pytest.raises(UserError, match="--push_to_hub needs a Hugging Face token: run `hf auth login`, export"):
+        check_hub_access(SimpleNamespace(hub_token=None, push_to_hub=True, hub_model_id="m", output_dir=tmp_path),
+                         one_process)  # fmt: skip
+
+
+def test_without_push_to_hub_the_token_is_dropped_and_the_hub_untouched(fake_hub, tmp_path, one_process):
+    args = SimpleNamespace(hub_token=SECRET, push_to_hub=False, hub_model_id=None, output_dir=tmp_path)
+    assert check_hub_access(args, one_process) is None and args.hub_token is None and not fake_hub.calls
+
+
+@pytest.mark.parametrize(
+    "setup,message",
+    [
+        (
+            {"refuse": 401},
+            "--push_to_hub: the Hub refused the token for out (HTTP 401); check it with `hf auth whoami`",
+        ),
+        ({"role": "read"}, "--push_to_hub: the Hub token is read-only; create one with write access"),
+    ],
+)
+def test_a_refused_token_stops_before_training(tmp_path, tiny_model, tiny_data, fake_hub, setup, message):
+    vars(fake_hub).update(setup)
+    args = train_args(tiny_model, *tiny_data, tmp_path / "out", "--push_to_hub", "--hub_token", SECRET)
+    with pytest.raises(UserError) as error:
+        train.main(train.parse_train_args(args))
+    assert str(error.value).startswith(message) and SECRET not in str(error.value)
+    assert not (tmp_path / "out").exists(), "nothing trained, nothing written"
+
+
+def test_an_unreachable_hub_stops_before_training(tmp_path, tiny_model, tiny_data, monkeypatch):
+    """The real huggingface_hub, offline (conftest sets HF_HUB_OFFLINE=1)."""
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    args = train_args(tiny_model, *tiny_data, tmp_path / "out", "--push_to_hub")
+    expected = r"the Hugging Face Hub cannot be reached \(HF_HUB_OFFLINE is set; .*`hf upload out <output_dir>`"
+    with pytest.raises(UserError, match="--push_to_hub: " + expected):
+        train.main(train.parse_train_args(args))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_hub_that_does_not_answer_is_given_up_on(fake_hub, monkeypatch, tmp_path, one_process):
+    fake_hub.delay = 5
+    monkeypatch.setattr(src.hub, "ACCESS_CHECK_SECONDS", 0.2)
+    args = SimpleNamespace(hub_token=SECRET, push_to_hub=True, hub_model_id=None, output_dir=tmp_path / "run")
+    started = time.monotonic()
+    with pytest.raises(UserError, match="the Hugging Face Hub did not answer within 0.2 s"):
+        check_hub_access(args, one_process)
+    assert time.monotonic() - started < 4, "gave up without waiting for the answer"
+
+
+def test_a_failed_upload_says_where_the_model_is(fake_hub, tmp_path, one_process):
+    fake_hub.upload_error = ConnectionError("connection reset")
+    args = SimpleNamespace(output_dir=tmp_path)
+    with pytest.raises(UserError, match=rf"upload to alice/run failed \(connection reset\); the model is saved in "
+                                        rf"{tmp_path}: upload it with `hf upload alice/run {tmp_path}"):  # fmt: skip
+        push_to_hub(args, one_process, HubTarget("alice/run", SECRET))
+    push_to_hub(args, SimpleNamespace(is_main_process=False), HubTarget("alice/run", SECRET))  # not the main process
+
+
+def test_the_model_card_of_an_adapter_run_and_unknown_settings(tmp_path):
+    """A LoRA output folder (adapter only, no config.json) and flags this card does not know are fine."""
+    (tmp_path / "adapter_config.json").write_text("{}")
+    settings = {"model_name_or_path": "meta-llama/Llama-3.2-1B", "use_peft": True, "lora_r": 8, "lora_alpha": 16,
+                "some_future_flag": [1, 2], "dataset_name": "imdb", "learning_rate": 2e-4, "hub_token": SECRET,
+                "num_warmup_steps": 5, "warmup_ratio": 0.1}  # fmt: skip
+    write_model_card(tmp_path, settings, {"eval_accuracy": 0.91234, "eval_samples": 100, "global_step": 30})
+    card = (tmp_path / "README.md").read_text()
+    assert "library_name: peft" in card and "base_model: meta-llama/Llama-3.2-1B" in card
+    assert "AutoPeftModelForSequenceClassification.from_pretrained" in card and "datasets: [imdb]" in card
+    assert "| accuracy | 0.9123 |" in card and "(100 examples)" in card
+    assert "| PEFT | lora_r=8, lora_alpha=16 |" in card and "| warmup | 5 steps |" in card
+    assert SECRET not in card
+
+
+def test_every_train_output_has_a_model_card(tmp_path, tiny_model, tiny_data):
+    out = tmp_path / "out"
+    train.main(train.parse_train_args(train_args(tiny_model, *tiny_data, out, "--num_train_epochs", "1")))
+    card = (out / "README.md").read_text()
+    results = json.loads((out / "all_results.json").read_text())
+    assert "classification into 2 classes" in card and "| 1 | positive |" in card
+    assert f"| accuracy | {results['eval_accuracy']:.4g} |" in card
+    assert "`train.csv` (validation: `dev.csv`)" in card and f'model="{out}"' in card
+    assert "base_model" not in card, "a local folder is no Hub id"

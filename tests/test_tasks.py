@@ -1,0 +1,494 @@
+"""The tasks users bring: multi-label, class imbalance, GLUE by name, run_glue_no_trainer.py's flags, notebooks."""
+
+import csv
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import REPO, launch, load_script, sentiment_rows, train_args, write_rows
+from datasets import ClassLabel, Dataset, DatasetDict, Features, List, Value
+from sklearn.metrics import f1_score
+from transformers import AutoConfig, AutoTokenizer
+
+from src.args import build_train_parser, parse_args, validate_train_args
+from src.data import build_eval_dataloader, build_train_dataloader, load_file, tokenize
+from src.errors import UserError
+from src.metrics import check_best_metric, compute_metrics
+from src.task import MULTI_LABEL, REGRESSION, SINGLE_LABEL, Task, detect_task
+
+train = load_script("train")
+evaluate_script = load_script("evaluate")
+
+TOPICS = {"acting": ("acting", "cast"), "music": ("soundtrack",), "story": ("plot", "script", "story", "ending")}
+
+
+def ticket_rows(count: int, seed: int) -> list[dict]:
+    """Multi-label rows: the topics a review names, plus 'praise' when positive; some rows have no label."""
+    rows = []
+    for row in sentiment_rows(count, seed):
+        words = row["sentence"].split()
+        labels = [topic for topic, names in TOPICS.items() if any(w in words for w in names)]
+        rows.append({"text": row["sentence"], "labels": labels + (["praise"] if row["label"] == "positive" else [])})
+    return rows
+
+
+def parse(*argv):
+    parser = build_train_parser()
+    return validate_train_args(parser, parse_args(parser, list(argv)))
+
+
+# ---------------------------------------------------------------- multi-label
+
+
+def test_lists_of_labels_mean_multi_label(tmp_path):
+    rows = [{"text": "a", "labels": ["bug", "billing"]}, {"text": "b", "labels": []}, {"text": "c", "labels": ["bug"]}]
+    for suffix in (".jsonl", ".json", ".parquet"):
+        task = detect_task(load_file(write_rows(tmp_path / f"d{suffix}", rows)), "labels")
+        assert task == Task(MULTI_LABEL, ("billing", "bug")), suffix
+    assert task.config_fields()["problem_type"] == "multi_label_classification"
+    assert task.config_fields()["id2label"] == {0: "billing", 1: "bug"}
+
+    hub_style = Dataset.from_dict(
+        {"text": ["a", "b"], "labels": [[2, 0], []]},
+        features=Features({"text": Value("string"), "labels": List(ClassLabel(names=["x", "y", "z"]))}),
+    )
+    assert detect_task(hub_style, "labels") == Task(MULTI_LABEL, ("x", "y", "z"))
+    ids = Dataset.from_dict({"text": ["a", "b"], "labels": [[10, 2], [2]]})
+    assert detect_task(ids, "labels").label_names == ("2", "10")
+
+    with pytest.raises(UserError, match=r"empty values; use \[\] for a row without labels"):
+        detect_task(Dataset.from_dict({"text": ["a", "b"], "labels": [["x"], None]}), "labels")
+    with pytest.raises(UserError, match="holds only empty lists"):
+        detect_task(load_file(write_rows(tmp_path / "e.jsonl", [{"text": "a", "labels": []}])), "labels")
+
+
+def test_multi_label_encoding_loss_and_predictions(tmp_path, tiny_model):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    data = load_file(write_rows(tmp_path / "d.jsonl", ticket_rows(6, seed=0)))
+    task = detect_task(data, "labels")
+    encoded = tokenize(data, tokenizer, ("text", None, "labels"), 16, task)
+    expected = [[float(name in row["labels"]) for name in task.label_names] for row in ticket_rows(6, seed=0)]
+    assert encoded["labels"] == expected
+
+    logits, targets = torch.tensor([[2.0, -1.0], [0.1, -0.3]]), torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    weighted = Task(MULTI_LABEL, ("a", "b"), class_weights=(3.0, 0.5), threshold=0.5)
+    manual = F.binary_cross_entropy_with_logits(logits, targets, pos_weight=torch.tensor([3.0, 0.5]), reduction="none")
+    assert torch.allclose(weighted.loss(logits, targets, reduction="none"), manual.mean(-1))
+    assert weighted.predictions(logits).tolist() == [[1, 0], [1, 0]]  # sigmoid(0.1) = 0.52 > 0.5
+    assert Task(MULTI_LABEL, ("a", "b"), threshold=0.6).predictions(logits).tolist() == [[1, 0], [0, 0]]
+
+    with pytest.raises(UserError, match=r"label\(s\) praise in column 'labels' are not among the model's labels"):
+        tokenize(data, tokenizer, ("text", None, "labels"), 16, Task(MULTI_LABEL, ("acting", "music", "story")))
+    single = load_file(write_rows(tmp_path / "s.csv", sentiment_rows(4)))
+    with pytest.raises(UserError, match="holds one label per row, but the model does multi-label"):
+        tokenize(single, tokenizer, ("sentence", None, "label"), 16, task)
+
+
+def test_multi_label_metrics_agree_with_scikit_learn():
+    task = Task(MULTI_LABEL, ("a", "b", "c"))
+    predictions = [[1, 0, 0], [1, 1, 0], [0, 0, 0], [0, 0, 1]]
+    references = [[1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0]]
+    scores = compute_metrics(predictions, references, task)
+    ints = [[int(v) for v in row] for row in references]
+    assert scores["exact_match"] == pytest.approx(0.5)
+    assert scores["f1_micro"] == pytest.approx(f1_score(ints, predictions, average="micro"))
+    assert scores["f1_macro"] == pytest.approx(f1_score(ints, predictions, average="macro", zero_division=0))
+    assert [scores[f"f1/{n}"] for n in "abc"] == pytest.approx([1.0, 0.0, 1.0])
+    assert check_best_metric(None, task) == "f1_micro" and check_best_metric("eval_f1/b", task) == "f1/b"
+    with pytest.raises(UserError, match="use one of f1_micro, f1_macro, exact_match, loss or f1/<label>"):
+        check_best_metric("accuracy", task)
+
+
+@pytest.fixture(scope="module")
+def multi_label_run(tmp_path_factory, tiny_model):
+    folder = tmp_path_factory.mktemp("multi-label")
+    train_file = write_rows(folder / "train.jsonl", ticket_rows(48, seed=1))
+    dev_file = write_rows(folder / "dev.jsonl", ticket_rows(37, seed=2))
+    out = folder / "out"
+    args = train_args(tiny_model, train_file, dev_file, out, "--class_weights", "balanced", "--eval_steps", "4")
+    results = train.main(train.parse_train_args(args))
+    return {"out": out, "dev": dev_file, "results": results, "folder": folder}
+
+
+def test_multi_label_training_saves_labels_metrics_and_weights(multi_label_run):
+    out, results = multi_label_run["out"], multi_label_run["results"]
+    config = AutoConfig.from_pretrained(out)
+    assert config.problem_type == "multi_label_classification"
+    assert config.id2label == {0: "acting", 1: "music", 2: "praise", 3: "story"}
+    per_label = {f"eval_f1/{name}" for name in ("acting", "music", "praise", "story")}
+    assert {"eval_exact_match", "eval_f1_micro", "eval_f1_macro", *per_label} <= results.keys()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(per_label <= r.keys() for r in records if "eval_loss" in r)
+
+    settings = json.loads((out / "args.json").read_text())
+    assert settings["metric_for_best_model"] == "f1_micro" and settings["multi_label_threshold"] == 0.5
+    # pos_weight = negatives / positives in the 48 training rows
+    rows = ticket_rows(48, seed=1)
+    positives = {name: sum(name in r["labels"] for r in rows) for name in ("acting", "music", "praise", "story")}
+    assert settings["class_weight_values"] == pytest.approx({n: (48 - p) / p for n, p in positives.items()})
+    card = (out / "README.md").read_text()
+    assert "multi-label classification (4 labels" in card and "top_k=None" in card and "| 2 | praise |" in card
+
+
+def test_evaluate_writes_label_sets_and_reproduces_the_weighted_loss(multi_label_run, tmp_path):
+    args = ["--model_name_or_path", str(multi_label_run["out"]), "--validation_file", str(multi_label_run["dev"]),
+            "--output_dir", str(tmp_path), "--per_device_eval_batch_size", "5"]  # fmt: skip
+    metrics = evaluate_script.main(evaluate_script.parse_eval_args(args))
+    # The run's class weights and threshold come from its args.json: the same loss as the run's last evaluation.
+    assert metrics["eval_loss"] == pytest.approx(multi_label_run["results"]["eval_loss"], abs=1e-5)
+    assert metrics["eval_f1_micro"] == pytest.approx(multi_label_run["results"]["eval_f1_micro"])
+    with open(tmp_path / "predictions.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert [int(r["index"]) for r in rows] == list(range(37))
+    assert [json.loads(r["label"]) for r in rows] == [sorted(r["labels"]) for r in ticket_rows(37, seed=2)]
+    assert all(set(json.loads(r["prediction"])) <= {"acting", "music", "praise", "story"} for r in rows)
+    assert not (tmp_path / "confusion_matrix.png").exists()
+
+    # A stricter threshold predicts a subset of the labels.
+    strict = evaluate_script.main(evaluate_script.parse_eval_args([*args[:4], "--output_dir", str(tmp_path / "s"),
+                                                                   "--multi_label_threshold", "0.99"]))  # fmt: skip
+    assert strict["eval_loss"] == pytest.approx(metrics["eval_loss"])
+
+
+def test_a_label_the_model_never_saw_is_named(multi_label_run, tmp_path):
+    data = write_rows(tmp_path / "new.jsonl", [{"text": "the plot was dull", "labels": ["story", "refund"]}])
+    args = ["--model_name_or_path", str(multi_label_run["out"]), "--validation_file", str(data), "--output_dir",
+            str(tmp_path)]  # fmt: skip
+    with pytest.raises(UserError, match=r"label\(s\) refund in column 'labels' are not among the model's labels"):
+        evaluate_script.main(evaluate_script.parse_eval_args(args))
+
+
+@pytest.mark.parametrize("num_processes,batch_size", [(2, 4), (3, 5)])
+def test_multi_label_predictions_are_the_same_on_2_and_3_processes(multi_label_run, tmp_path, num_processes,
+                                                                   batch_size):  # fmt: skip
+    """37 rows do not split evenly over the ranks: padding repeats are dropped, label sets come back in order."""
+    common = ["--model_name_or_path", str(multi_label_run["out"]), "--validation_file", str(multi_label_run["dev"])]
+    single = tmp_path / "single"
+    evaluate_script.main(evaluate_script.parse_eval_args([*common, "--output_dir", str(single), "--cpu_threads", "1"]))
+    result = launch("evaluate.py", [*common, "--output_dir", str(tmp_path / "multi"), "--per_device_eval_batch_size",
+                                    str(batch_size)], num_processes=num_processes)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    for name in ("eval_results.json", "predictions.csv"):
+        assert (single / name).read_text() == (tmp_path / "multi" / name).read_text(), name
+
+
+# ---------------------------------------------------------------- class weights
+
+
+def test_balanced_weights_and_the_weighted_loss():
+    rows = [{"text": "x", "label": name} for name in ["a"] * 6 + ["b"] * 2]
+    task = detect_task(Dataset.from_list(rows), "label", class_weights="balanced")
+    assert task.class_weights == pytest.approx((8 / (2 * 6), 8 / (2 * 2)))  # n_rows / (n_classes * count)
+    logits, labels = torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.5, 0.5]]), torch.tensor([0, 1, 1])
+    per_example = F.cross_entropy(logits, labels, reduction="none") * torch.tensor([2 / 3, 2.0, 2.0])
+    assert torch.allclose(task.loss(logits, labels, reduction="none"), per_example)
+    assert task.loss(logits, labels) == pytest.approx(per_example.mean().item())  # a mean over examples
+    with pytest.raises(UserError, match="--class_weights balanced is for classification"):
+        detect_task(Dataset.from_list([{"text": "x", "label": 0.5}]), "label", class_weights="balanced")
+    hub_style = Dataset.from_dict({"text": ["x"], "label": [0]}, features=Features(
+        {"text": Value("string"), "label": ClassLabel(names=["a", "b"])}))  # fmt: skip
+    with pytest.raises(UserError, match="label\\(s\\) b have no training examples"):
+        detect_task(hub_style, "label", class_weights="balanced")
+
+
+def test_balanced_class_weights_raise_the_minority_class_recall(tmp_path, tiny_model):
+    """90 negative and 10 positive reviews: unweighted, the model learns to say 'negative'."""
+    rows = sentiment_rows(400, seed=11)
+    positive = [r for r in rows if r["label"] == "positive"]
+    negative = [r for r in rows if r["label"] == "negative"]
+    skewed = negative[:90] + positive[:10]
+    random.Random(0).shuffle(skewed)
+    train_file = write_rows(tmp_path / "train.csv", skewed)
+    dev_file = write_rows(tmp_path / "dev.csv", negative[90:120] + positive[10:40])
+
+    def minority_recall(*extra):
+        out = tmp_path / ("weighted" if extra else "plain")
+        train.main(train.parse_train_args(train_args(tiny_model, train_file, dev_file, out, *extra)))
+        args = ["--model_name_or_path", str(out), "--validation_file", str(dev_file)]
+        evaluate_script.main(evaluate_script.parse_eval_args(args))
+        with open(out / "predictions.csv", newline="") as file:
+            found = [r["prediction"] == "positive" for r in csv.DictReader(file) if r["label"] == "positive"]
+        return sum(found) / len(found)
+
+    plain, weighted = minority_recall(), minority_recall("--class_weights", "balanced")
+    assert weighted > plain, (plain, weighted)  # measured: 0.0 unweighted, 1.0 weighted (seed 7, 26 steps)
+    settings = json.loads((tmp_path / "weighted" / "args.json").read_text())
+    assert settings["class_weight_values"] == pytest.approx({"negative": 100 / 180, "positive": 100 / 20})
+
+
+# ---------------------------------------------------------------- GLUE by name
+
+
+@pytest.mark.parametrize(
+    "task_name,columns,metric",
+    [
+        ("cola", ("sentence", None), "matthews_correlation"),
+        ("sst2", ("sentence", None), "accuracy"),
+        ("mrpc", ("sentence1", "sentence2"), "f1"),
+        ("qqp", ("question1", "question2"), "f1"),
+        ("stsb", ("sentence1", "sentence2"), "pearson"),
+        ("mnli", ("premise", "hypothesis"), "accuracy"),
+        ("qnli", ("question", "sentence"), "accuracy"),
+        ("rte", ("sentence1", "sentence2"), "accuracy"),
+        ("wnli", ("sentence1", "sentence2"), "accuracy"),
+    ],
+)
+def test_glue_task_names_set_columns_and_the_metric_for_the_best_model(task_name, columns, metric):
+    args = parse("--task_name", task_name)
+    assert (args.text_column, args.text_pair_column, args.metric_for_best_model) == (*columns, metric)
+    assert parse("--task_name", task_name, "--metric_for_best_model", "loss").metric_for_best_model == "loss"
+
+
+def mrpc_rows(count: int, seed: int) -> list[dict]:
+    """GLUE MRPC's columns as nyu-mll/glue writes them to CSV: ids for labels, and an idx column."""
+    return [
+        {"sentence1": r["sentence"], "sentence2": "the film was fine", "label": int(r["label"] == "positive"), "idx": i}
+        for i, r in enumerate(sentiment_rows(count, seed))
+    ]
+
+
+def test_a_run_glue_no_trainer_command_with_local_files(tmp_path, tiny_model):
+    """The README's command, with local files for the Hub and several of the script's flags together."""
+    train_file = write_rows(tmp_path / "train.csv", mrpc_rows(48, seed=1))
+    dev_file = write_rows(tmp_path / "dev.csv", mrpc_rows(20, seed=2))
+    out = tmp_path / "mrpc"
+    command = f"""
+        --model_name_or_path {tiny_model} --task_name mrpc --train_file {train_file} --validation_file {dev_file}
+        --max_length 32 --pad_to_max_length --per_device_train_batch_size 8 --per_device_eval_batch_size 8
+        --learning_rate 2e-5 --num_train_epochs 2 --num_warmup_steps 3 --weight_decay 0.0 --lr_scheduler_type linear
+        --seed 42 --checkpointing_steps epoch --with_tracking --report_to tensorboard --trust_remote_code False
+        --ignore_mismatched_sizes --output_dir {out}/
+    """.split()
+    results = train.main(train.parse_train_args([*command, "--mixed_precision", "no", "--logging_steps", "1"]))
+
+    assert AutoConfig.from_pretrained(out).id2label == {0: "not_equivalent", 1: "equivalent"}
+    assert {"eval_f1", "eval_accuracy"} <= results.keys()
+    settings = json.loads((out / "args.json").read_text())
+    assert settings["metric_for_best_model"] == "f1" and settings["trust_remote_code"] is False
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-6"]  # each epoch
+    assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
+    # --num_warmup_steps 3 wins over the default --warmup_ratio 0.1 (which would warm up for 2 of 12 steps).
+    rates = {r["step"]: r["learning_rate"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+             if "learning_rate" in r}  # fmt: skip
+    assert rates[1] == pytest.approx(2e-5 / 3) and rates[2] == pytest.approx(2e-5 * 2 / 3)
+    assert rates[3] == pytest.approx(2e-5)
+    # --pad_to_max_length: every batch is 32 tokens long, so the padding is what 32 minus each length leaves.
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    real = sum(len(tokenizer(r["sentence1"], r["sentence2"])["input_ids"]) for r in mrpc_rows(48, seed=1))
+    assert results["train_padding_fraction"] == pytest.approx(1 - real / (48 * 32))
+
+    # evaluate.py on a local file with GLUE's label ids: the same names as the model's.
+    metrics = evaluate_script.main(
+        evaluate_script.parse_eval_args(["--model_name_or_path", str(out), "--validation_file", str(dev_file)])
+    )
+    assert metrics["eval_f1"] == pytest.approx(results["eval_f1"])
+    with open(out / "predictions.csv", newline="") as file:
+        labels = [row["label"] for row in csv.DictReader(file)]
+    assert labels == [["not_equivalent", "equivalent"][r["label"]] for r in mrpc_rows(20, seed=2)]
+
+
+def test_pad_to_max_length_pads_every_batch(tmp_path, tiny_model):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    data = load_file(write_rows(tmp_path / "d.csv", sentiment_rows(21)))
+    dataset = tokenize(data, tokenizer, ("sentence", None, "label"), 24, Task(SINGLE_LABEL, ("negative", "positive")))
+    loaders = [build_train_dataloader(dataset, tokenizer, 8, 1, 0, pad_to_length=24),
+               build_eval_dataloader(dataset, tokenizer, 8, pad_to_length=24)]  # fmt: skip
+    assert {tuple(b["input_ids"].shape[1:]) for loader in loaders for b in loader} == {(24,)}
+    dynamic = build_eval_dataloader(dataset, tokenizer, 8)
+    assert max(b["input_ids"].shape[1] for b in dynamic) < 24
+
+
+def test_sts_b_scores_are_regression_even_as_integers(tmp_path, tiny_model):
+    rows = [
+        {"sentence1": r["sentence"], "sentence2": "so so", "label": i % 6} for i, r in enumerate(sentiment_rows(40))
+    ]
+    train_file, dev_file = write_rows(tmp_path / "train.csv", rows[:32]), write_rows(tmp_path / "dev.csv", rows[32:])
+    assert detect_task(load_file(train_file), "label").problem_type == SINGLE_LABEL  # without --task_name
+    out = tmp_path / "out"
+    results = train.main(train.parse_train_args(train_args(tiny_model, train_file, dev_file, out, "--task_name", "stsb",
+                                                           "--num_train_epochs", "1")))  # fmt: skip
+    assert AutoConfig.from_pretrained(out).problem_type == REGRESSION
+    assert {"eval_pearson", "eval_spearmanr"} <= results.keys()
+    settings = json.loads((out / "args.json").read_text())
+    assert settings["metric_for_best_model"] == "pearson" and settings["greater_is_better"] is True
+
+
+def test_mnli_from_the_hub_reports_matched_and_mismatched(tmp_path, tiny_model, monkeypatch):
+    """nyu-mll/glue's mnli as load_dataset returns it (ClassLabel names, two validation sets); no network here."""
+    names = ["entailment", "neutral", "contradiction"]
+    features = Features({"premise": Value("string"), "hypothesis": Value("string"),
+                         "label": ClassLabel(names=names), "idx": Value("int32")})  # fmt: skip
+
+    def split(count, seed, unlabelled=False):
+        rows = sentiment_rows(count, seed)
+        return Dataset.from_dict({"premise": [r["sentence"] for r in rows], "hypothesis": ["the film was fine"] * count,
+                                  "label": [-1 if unlabelled else i % 3 for i in range(count)],
+                                  "idx": list(range(count))}, features=features)  # fmt: skip
+
+    hub = DatasetDict(train=split(32, 1), validation_matched=split(12, 2), validation_mismatched=split(9, 3),
+                      test_matched=split(5, 4, unlabelled=True))  # fmt: skip
+    asked = []
+    monkeypatch.setattr("src.data.load_dataset", lambda *args, **kwargs: asked.append(args) or hub)
+    out = tmp_path / "out"
+    args = ["--model_name_or_path", str(tiny_model), "--task_name", "mnli", "--output_dir", str(out),
+            "--report_to", "none", "--num_train_epochs", "1", "--per_device_train_batch_size", "8",
+            "--mixed_precision", "no"]  # fmt: skip
+    results = train.main(train.parse_train_args(args))
+    assert asked == [("nyu-mll/glue", "mnli")]
+    assert results["eval_samples"] == 12 and results["eval_samples_mm"] == 9
+    assert {"eval_accuracy", "eval_accuracy_mm", "eval_loss_mm"} <= results.keys()
+    assert AutoConfig.from_pretrained(out).id2label == {0: "entailment", 1: "neutral", 2: "contradiction"}
+    assert "GLUE MNLI (the Hub)" in (out / "README.md").read_text()
+
+
+def test_glue_without_the_hub_or_files_says_how_to_pass_files(tmp_path, tiny_model):
+    args = ["--model_name_or_path", str(tiny_model), "--task_name", "rte", "--output_dir", str(tmp_path / "out")]
+    expected = (
+        "--task_name rte (nyu-mll/glue): cannot be loaded, the Hugging Face Hub is unreachable (HF_HUB_OFFLINE is "
+        "set); pass local files instead: --train_file and --validation_file with GLUE's columns (sentence1, "
+        "sentence2, label)"
+    )
+    with pytest.raises(UserError) as error:
+        train.main(train.parse_train_args(args))
+    assert str(error.value) == expected
+    assert not (tmp_path / "out").exists()
+
+
+def test_glue_labels_outside_the_task_are_named(tmp_path, tiny_model):
+    rows = [{**row, "label": 5 if row["idx"] == 3 else row["label"]} for row in mrpc_rows(8, seed=1)]
+    train_file = write_rows(tmp_path / "train.csv", rows)
+    args = train_args(tiny_model, train_file, train_file, tmp_path / "out", "--task_name", "mrpc")
+    with pytest.raises(UserError, match="--task_name mrpc: label column 'label' holds 5; GLUE's mrpc labels are "
+                                        "not_equivalent, equivalent or their ids 0-1"):  # fmt: skip
+        train.main(train.parse_train_args(args))
+
+
+# ---------------------------------------------------------------- run_glue_no_trainer.py's other flags
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [([], False), (["--trust_remote_code"], True), (["--trust_remote_code", "True"], True),
+     (["--trust_remote_code", "False"], False), (["--trust_remote_code", "false"], False)],
+)  # fmt: skip
+def test_trust_remote_code_is_off_unless_asked(argv, expected):
+    assert parse(*argv).trust_remote_code is expected
+
+
+def test_trust_remote_code_from_a_config_file(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("trust_remote_code: true\nmulti_label_threshold: 0.3\nclass_weights: balanced\n")
+    args = parse("--config", str(config))
+    assert args.trust_remote_code is True and args.multi_label_threshold == 0.3 and args.class_weights == "balanced"
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--use_slow_tokenizer"], "--use_slow_tokenizer: transformers 5 loads every tokenizer with its fast"),
+        (["--with_tracking", "--report_to", "none"], "--with_tracking asks for a tracker and --report_to none"),
+        (["--task_name", "mrpc", "--dataset_name", "x"], "either --task_name (GLUE) or --dataset_name"),
+        (["--hub_token", "hf_x"], "--hub_token is for --push_to_hub"),
+        (["--hub_model_id", "me/model"], "--hub_model_id is for --push_to_hub"),
+        (["--multi_label_threshold", "1.5"], "--multi_label_threshold: must be between 0 and 1"),
+        (["--trust_remote_code", "maybe"], "--trust_remote_code: must be true or false"),
+        (["--task_name", "squad"], "--task_name: invalid choice"),
+        (["--class_weights", "inverse"], "--class_weights: invalid choice"),
+    ],
+)
+def test_flags_that_cannot_work_say_what_to_do(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_remote_code_runs_only_when_trusted(tmp_path, tiny_model, monkeypatch):
+    """A model folder with its own modelling code (auto_map): refused without --trust_remote_code, code not run."""
+    from src.model import load_model
+
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    for file in tiny_model.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    marker = tmp_path / "code_ran"
+    (folder / "custom_bert.py").write_text(
+        "import os, pathlib\n"
+        "from transformers import BertConfig, BertForSequenceClassification\n"
+        "pathlib.Path(os.environ['CODE_RAN_MARKER']).touch()\n"
+        "class CustomConfig(BertConfig):\n    model_type = 'custom-bert'\n"
+        "class CustomModel(BertForSequenceClassification):\n    config_class = CustomConfig\n"
+    )
+    config = json.loads((folder / "config.json").read_text())
+    auto_map = {
+        "AutoConfig": "custom_bert.CustomConfig",
+        "AutoModelForSequenceClassification": "custom_bert.CustomModel",
+    }
+    config.update(model_type="custom-bert", auto_map=auto_map)
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("CODE_RAN_MARKER", str(marker))
+    task = Task(SINGLE_LABEL, ("negative", "positive"))
+
+    with pytest.raises(UserError, match="ships its own Python code; read it, then pass --trust_remote_code"):
+        load_model(str(folder), task)
+    assert not marker.exists()
+    model = load_model(str(folder), task, trust_remote_code=True)
+    assert marker.exists() and type(model).__name__ == "CustomModel"
+
+
+def test_a_head_of_another_size_is_replaced_unless_refused(tmp_path, tiny_model):
+    from src.model import load_model
+
+    three = Task(SINGLE_LABEL, ("a", "b", "c"))  # the tiny model's head has 2 labels
+    assert load_model(str(tiny_model), three).config.num_labels == 3
+    with pytest.raises(UserError, match="head for another number of labels; drop --no-ignore_mismatched_sizes"):
+        load_model(str(tiny_model), three, ignore_mismatched_sizes=False)
+
+
+def test_report_to_all_is_accepted():
+    assert parse("--report_to", "all").report_to == "all"
+
+
+# ---------------------------------------------------------------- notebooks
+
+
+def test_a_notebook_kernels_command_line_is_not_parsed(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/usr/lib/python3/site-packages/ipykernel_launcher.py", "-f", "/tmp/k.json"])
+    args = train.parse_train_args()
+    assert args.output_dir == build_train_parser().get_default("output_dir") and args.train_file is None
+    assert train.parse_train_args(["--num_train_epochs", "1"]).num_train_epochs == 1
+
+
+def test_notebook_launcher_runs_two_cpu_processes(tmp_path, tiny_model):
+    """What the README shows for notebooks, in a fresh interpreter with a kernel's sys.argv."""
+    train_file = write_rows(tmp_path / "train.csv", sentiment_rows(32, seed=1))
+    dev_file = write_rows(tmp_path / "dev.csv", sentiment_rows(9, seed=2))
+    flags = train_args(tiny_model, train_file, dev_file, tmp_path / "out", "--num_train_epochs", "1")
+    code = (
+        "import sys\n"
+        "sys.argv = ['ipykernel_launcher.py', '-f', '/tmp/kernel.json']\n"
+        "from accelerate import notebook_launcher\n"
+        "import train\n"
+        f"notebook_launcher(train.main, (train.parse_train_args({flags!r}),), num_processes=2, "
+        # A fresh generator: the runs in this process seeded the global one, and a fixed port may still be held.
+        f"use_port='{random.Random().randint(20000, 40000)}')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # Its own session, so that a timeout ends the forked workers too, not only the launching interpreter.
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    try:
+        log, _ = launcher.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)  # the session it started: the interpreter and its workers
+        raise
+    assert launcher.returncode == 0, log[-3000:]
+    assert log.count("Running training") == 1 and "Processes = 2 on cpu" in log, "one group of 2, logging once"
+    results = json.loads((tmp_path / "out" / "all_results.json").read_text())
+    assert results["num_processes"] == 2 and results["cpu_threads_per_process"] >= 1 and results["eval_samples"] == 9
