@@ -432,7 +432,7 @@ def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argpars
 def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Checks that need more than one flag (single values are checked by their types above), and the defaults
     that depend on other flags."""
-    demo = not (args.dataset_name or args.train_file)
+    demo = not (args.dataset_name or args.train_file or args.task_name)
     if args.num_train_epochs is None:
         args.num_train_epochs = 1 if demo else 3
     if args.eval_steps is None and demo:

@@ -100,8 +100,18 @@ def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
 
 
 # What decides the order and grouping of batches: a resumed run must keep them to continue exactly.
-SAME_ON_RESUME = ("per_device_train_batch_size", "gradient_accumulation_steps", "seed", "group_by_length",
-                  "train_file", "dataset_name", "dataset_config_name", "max_train_samples", "max_length")  # fmt: skip
+SAME_ON_RESUME = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "seed",
+    "group_by_length",
+    "train_file",
+    "dataset_name",
+    "dataset_config_name",
+    "task_name",
+    "max_train_samples",
+    "max_length",
+)
 
 
 def load_checkpoint(accelerator, path: Path, args) -> dict:
