@@ -64,11 +64,18 @@ def process_tree(process: subprocess.Popen, ranks: int) -> list[psutil.Process]:
     """The launcher and its descendants, once all `ranks` training processes have started."""
     launcher = psutil.Process(process.pid)
     deadline = time.monotonic() + 120
+
+    def runs_train_py(process) -> bool:
+        try:
+            return "train.py" in " ".join(process.cmdline())
+        except psutil.Error:  # gone, or a zombie: a launcher's short-lived helper process
+            return False
+
     while True:
         children = launcher.children(recursive=True)
-        workers = [p for p in children if "train.py" in " ".join(p.cmdline())]
-        if len(workers) >= ranks or (ranks == 1 and "train.py" in " ".join(launcher.cmdline())):
-            return [launcher, *children]
+        workers = [p for p in children if runs_train_py(p)]
+        if len(workers) >= ranks or (ranks == 1 and runs_train_py(launcher)):
+            return [launcher, *workers]
         assert process.poll() is None and time.monotonic() < deadline, "the ranks never started"
         time.sleep(0.05)
 
