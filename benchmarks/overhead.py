@@ -32,7 +32,7 @@ TIMED = {
         "load_raw_splits",
         "load_tokenizer",
         "tokenize",
-        "load_model",
+        "build_model",
         "build_train_dataloader",
         "build_eval_dataloader",
         "start_or_resume",

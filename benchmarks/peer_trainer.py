@@ -84,6 +84,7 @@ def main():
         seed=args.seed,
         train_sampling_strategy="group_by_length" if args.group_by_length else "random",
         bf16=args.bf16,
+        use_cpu=not torch.cuda.is_available(),  # Trainer refuses bf16 on a machine without GPUs otherwise
         torch_compile=args.torch_compile,
         optim=args.optim,
         max_steps=args.max_steps,
