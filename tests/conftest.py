@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random BERT and tiny datasets, all made in temporary folders (no network)."""
 
+import contextlib
 import csv
 import os
 import random
@@ -167,9 +168,24 @@ def launch_command(script: str, args: list[str], num_processes: int = 2) -> list
 
 
 def launch(script: str, args: list[str], num_processes: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a real multi-process launch to its end. On a timeout every process of it is killed, not only the
+    launcher (torchrun starts each rank in a session of its own), so none writes on into the next test."""
+    import psutil
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     command = launch_command(script, args, num_processes)
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+        for member in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.kill()
+        psutil.wait_procs(tree, timeout=30)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 # The 2-rank reference run's settings beyond train_args: 2 ranks x 4 (the 1-rank twin uses 8), evaluation every 3
