@@ -180,11 +180,16 @@ def write_model_card(output_dir: Path, settings: dict, results: dict):
 
     lines += ["## How to use", "", "```python"]
     if adapter:
+        # The base model takes this folder's config (labels, pad token, head size); peft's AutoPeft* classes
+        # would rebuild it from the base model's own config and fail on the head, or lose the labels.
+        base = _base_model_id(settings.get("model_name_or_path")) or settings.get("model_name_or_path")
         lines += [
-            "from peft import AutoPeftModelForSequenceClassification",
-            "from transformers import AutoTokenizer",
+            "from peft import PeftModel",
+            "from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer",
             "",
-            f'model = AutoPeftModelForSequenceClassification.from_pretrained("{where}")',
+            f'config = AutoConfig.from_pretrained("{where}")',
+            f'base = AutoModelForSequenceClassification.from_pretrained("{base}", config=config)  # trained from',
+            f'model = PeftModel.from_pretrained(base, "{where}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
         ]
     else:

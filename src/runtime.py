@@ -109,9 +109,9 @@ class StopSignals:
 
     A scheduler that signals every process of a job makes each rank receive the signal twice: once
     directly and once forwarded by its launcher. Every later signal is therefore ignored: it must not
-    interrupt the checkpoint the first one asked for. To stop at once, send SIGQUIT (Ctrl-\\) or SIGKILL:
-    the checkpoint being written then stays `checkpoint-N.incomplete`, is never resumed from, and is removed
-    by the next run.
+    interrupt the checkpoint the first one asked for. To stop at once, send every process SIGKILL: the
+    checkpoint being written then stays `checkpoint-N.incomplete`, is never resumed from, and is removed by
+    the next run.
 
     A rank whose launcher has died (killed with SIGKILL, say) is an orphan that nobody will stop; it stops
     as if it had received SIGHUP. Use as a context manager: the previous handlers come back on exit.
@@ -124,7 +124,13 @@ class StopSignals:
         self.launcher = os.getppid() if under_launcher() else None
 
     def __enter__(self):
-        self.previous = {signum: signal.signal(signum, self.handle) for signum in STOP_SIGNALS}
+        # A signal ignored by whoever started us stays ignored: `nohup python train.py &` must outlive its
+        # terminal's SIGHUP, as a shell's background job ignores Ctrl-C.
+        self.previous = {
+            signum: signal.signal(signum, self.handle)
+            for signum in STOP_SIGNALS
+            if signal.getsignal(signum) != signal.SIG_IGN
+        }
         return self
 
     def __exit__(self, *exc_info):

@@ -8,19 +8,24 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from accelerate import debug_launcher, notebook_launcher
 from conftest import CPU_CONFIG, REPO, sentiment_rows, train_args, write_rows
 
-from src.runtime import physical_cores
+import src.runtime
+from src.runtime import set_cpu_threads
 
-CORES = physical_cores()
-SHARE = max(1, CORES // 2)
+# Each process is told the machine has 8 physical cores: on a 2-core machine a share of 1 thread could not
+# be told apart from the launchers' own OMP_NUM_THREADS=1.
+CORES = 8
+SHARE = CORES // 2
 PROBE = f"""
 import json, os, sys
 sys.path.insert(0, {str(REPO)!r})
-from src.runtime import set_cpu_threads
+import src.runtime
+src.runtime.physical_cores = lambda: {CORES}
 with open("rank-" + os.environ.get("RANK", "0") + ".json", "w") as report:  # in the test's folder, one per process
-    json.dump(set_cpu_threads(None), report)
+    json.dump(src.runtime.set_cpu_threads(None), report)
 """
 
 
@@ -60,16 +65,25 @@ def test_threads_per_process_under_each_launcher(tmp_path, kind, exported, expec
 
 
 def record_threads(folder):
-    from src.runtime import set_cpu_threads
-
     (folder / f"process-{os.getpid()}").write_text(str(set_cpu_threads(None)))
 
 
 @pytest.mark.parametrize("start", [debug_launcher, notebook_launcher], ids=["debug_launcher", "notebook_launcher"])
 def test_threads_under_accelerates_in_process_launchers(tmp_path, start, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(src.runtime, "physical_cores", lambda: CORES)  # the processes are forked: they see it
     start(record_threads, (tmp_path,), num_processes=2)
     assert [int(path.read_text()) for path in tmp_path.glob("process-*")] == [SHARE, SHARE]
+
+
+def test_the_cpu_threads_flag_wins_over_everything(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    before = torch.get_num_threads()
+    try:
+        assert set_cpu_threads(3) == 3 == torch.get_num_threads()
+        assert set_cpu_threads(None) == 5, "an exported value without a launcher is the user's"
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_banner_and_results_report_the_threads(tiny_model, tmp_path):
@@ -77,8 +91,10 @@ def test_the_banner_and_results_report_the_threads(tiny_model, tmp_path):
     train_file = write_rows(tmp_path / "train.csv", sentiment_rows(16, seed=1))
     args = train_args(tiny_model, train_file, train_file, tmp_path / "out", "--num_train_epochs", "1")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["HF_HOME"] = str(tmp_path / "hf_home")  # no default accelerate config file: the launcher's own defaults
     result = subprocess.run([*launcher("accelerate"), str(REPO / "train.py"), *args], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"{CORES} CPU threads per process" in result.stderr
-    assert json.loads((tmp_path / "out" / "all_results.json").read_text())["cpu_threads_per_process"] == CORES
+    cores = src.runtime.physical_cores()
+    assert f"{cores} CPU threads per process" in result.stderr
+    assert json.loads((tmp_path / "out" / "all_results.json").read_text())["cpu_threads_per_process"] == cores

@@ -42,10 +42,11 @@ def test_demo_task_starts_at_chance_with_the_packaged_model():
 
 @pytest.mark.slow
 def test_the_default_demo_run_learns_the_task(tmp_path):
-    """`accelerate launch train.py` with no arguments (packaged MiniLM, demo data, default flags and precision), cut
-    to its first epoch of 63 steps. Measured: validation accuracy 1.000 and loss 0.32 after it (1.000 after 3)."""
+    """`accelerate launch train.py` with no arguments: packaged MiniLM, demo data, default flags and precision (one
+    epoch of 63 steps, evaluated every 10), in a temporary folder and without TensorBoard logs. Measured:
+    validation accuracy 1.000 and loss 0.32 at the end."""
     out = tmp_path / "out"
-    run_in_process("train", ["--output_dir", str(out), "--num_train_epochs", "1", "--report_to", "none"])
+    run_in_process("train", ["--output_dir", str(out), "--report_to", "none"])
     assert results(out)["global_step"] == 63 and results(out)["eval_samples"] == 500
     assert results(out)["eval_accuracy"] >= 0.95
     assert results(out)["eval_loss"] < 0.5, "well below chance (0.69)"

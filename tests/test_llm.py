@@ -188,14 +188,16 @@ def test_lora_output_checkpoints_resume_and_evaluation(tiny_decoders, data, tmp_
     assert all(".lora_" in key or ".modules_to_save." in key for key in checkpoint), "only the trainable weights"
     assert sum(t.numel() for t in checkpoint.values()) == results["trainable_parameters"]
 
-    # The README's line for inference, with plain libraries: labels and pad token come from the folder.
-    from peft import PeftModel
-
-    model = PeftModel.from_pretrained(
-        AutoModelForSequenceClassification.from_pretrained(base, config=AutoConfig.from_pretrained(out)), out
-    )
+    # The model card's code for inference (the README's line), run as written: labels and pad token come
+    # from the folder, and batching changes no prediction.
+    card = (out / "README.md").read_text()
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    loaded = {}
+    exec(code, loaded)
+    model, tokenizer = loaded["model"], loaded["tokenizer"]
+    assert type(model).__name__ == "PeftModelForSequenceClassification"
     assert model.config.id2label == {0: "negative", 1: "positive"} and model.config.pad_token_id is not None
-    assert_same_logits(*logits_alone_and_in_a_batch(model, AutoTokenizer.from_pretrained(out)))
+    assert_same_logits(*logits_alone_and_in_a_batch(model, tokenizer))
 
     # evaluate.py takes the folder and reproduces the run's final metrics (texts cut at the run's --max_length).
     metrics = run_evaluate(out, data[1], tmp_path / "eval")

@@ -1,7 +1,6 @@
 """Speed work: the sampler's padding bound and guarantees, and the benchmark scripts' own logic."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -107,19 +106,3 @@ def test_gpu_benchmark_runs_end_to_end_on_tiny_models(tmp_path):
     assert sync == {"steps": 6, "places": {}}, "the sync check ran train.py to its end (no CUDA: nothing to count)"
     table = (tmp_path / "report" / "gpu_benchmark.md").read_text()
     assert "| minilm train.py | 1 | 4 x 6 |" in table and "x |" in table.split("minilm train.py")[1].split("\n")[0]
-
-
-def test_accelerate_launch_without_config_gives_one_process_every_core(tmp_path, tiny_model, tiny_data):
-    """The benchmark's `launch` peer: the launcher's OMP_NUM_THREADS=1 must not leave the other cores idle."""
-    from conftest import train_args
-
-    from src.runtime import physical_cores
-
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    env["HF_HOME"] = str(tmp_path / "hf_home")  # no default accelerate config file: the launcher's own defaults
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", str(REPO / "train.py")]
-    args = train_args(tiny_model, *tiny_data, tmp_path / "out", "--num_train_epochs", "1")
-    done = subprocess.run([*launcher, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((tmp_path / "out" / "all_results.json").read_text())
-    assert results["cpu_threads_per_process"] == physical_cores()
