@@ -77,6 +77,7 @@ def test_classification_end_to_end(tiny_model, tiny_data, tmp_path, monkeypatch)
     # String labels became ids, the mapping travels with the model, and the weights load with nothing left over.
     model, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info
+    assert results["trainable_parameters"] == results["total_parameters"] == model.num_parameters()
     assert model.config.id2label == {0: "negative", 1: "positive"}
     assert model.config.label2id == {"negative": 0, "positive": 1}
     assert tensor_names(out / "model.safetensors") == tensor_names(tiny_model / "model.safetensors")
