@@ -28,43 +28,53 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _convert(text, kind):
+    """int(text) or float(text), with argparse's error naming the flag instead of this module's function."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be {'a whole number' if kind is int else 'a number'}, got {text!r}"
+        ) from None
+
+
 def _positive_int(text):
-    value = int(text)
+    value = _convert(text, int)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
 def _non_negative_int(text):
-    value = int(text)
+    value = _convert(text, int)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
 
 def _positive_float(text):
-    value = float(text)
+    value = _convert(text, float)
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
 def _non_negative_float(text):
-    value = float(text)
+    value = _convert(text, float)
     if not (value >= 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
 
 def _fraction(text):
-    value = float(text)
+    value = _convert(text, float)
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
 
 
 def _threshold(text):
-    value = float(text)
+    value = _convert(text, float)
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
     return value
@@ -104,7 +114,7 @@ def _steps_or_epoch(text):
         return text
     try:
         return _positive_int(text)
-    except ValueError:
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be a positive number of steps or 'epoch', got {text!r}") from None
 
 
