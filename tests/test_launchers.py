@@ -71,7 +71,10 @@ def record_threads(folder):
 @pytest.mark.parametrize("start", [debug_launcher, notebook_launcher], ids=["debug_launcher", "notebook_launcher"])
 def test_threads_under_accelerates_in_process_launchers(tmp_path, start, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(src.runtime, "physical_cores", lambda: CORES)  # the processes are forked: they see it
+    # The processes are forked: they see these. A forked child must not grow the OpenMP pool it inherited
+    # (libgomp may crash), so the threads are computed and recorded, not started.
+    monkeypatch.setattr(src.runtime, "physical_cores", lambda: CORES)
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)
     start(record_threads, (tmp_path,), num_processes=2)
     assert [int(path.read_text()) for path in tmp_path.glob("process-*")] == [SHARE, SHARE]
 

@@ -289,16 +289,18 @@ def test_main_gives_back_the_signal_handlers_it_found(tiny_model, data, tmp_path
             signal.signal(signum, handler)
 
 
-def test_a_signal_ignored_by_the_parent_stays_ignored():
-    """`nohup python train.py &`: the closed terminal's SIGHUP must not stop the run."""
-    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    try:
-        with train.StopSignals() as stop_signals:
-            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
-            assert signal.getsignal(signal.SIGTERM) == stop_signals.handle
-        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGHUP, previous)
+def test_nohup_keeps_the_run_going_when_its_terminal_closes(tiny_model, data, tmp_path):
+    """`nohup python train.py &`: the SIGHUP of a closed terminal, which nohup ignores, must not stop the run."""
+    folder = tmp_path / "run"
+    args = run_args(tiny_model, data, folder, 1)
+    process = subprocess.Popen(["nohup", *command("python", args)], cwd=tmp_path, start_new_session=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    wait_for_step(folder, process, 8)
+    signal_tree(process_tree(process, 1), signal.SIGHUP)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output[-3000:]
+    assert json.loads((folder / "all_results.json").read_text())["global_step"] == STEPS
+    assert not checkpoints(folder), "no stop, so no checkpoint"
 
 
 FAKE_SLURM = {
