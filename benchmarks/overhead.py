@@ -114,7 +114,7 @@ def phases(
         "imports of train.py": get("imports"),
         "Accelerator, threads, precision": get("build_accelerator"),
         "reading and tokenising the data": data,
-        "loading the model": get("load_model"),
+        "loading the model": get("build_model"),
         "dataloaders": loaders,
         "accelerator.prepare": get("prepare"),
         "args.json, trackers": get("start_or_resume"),

@@ -80,7 +80,7 @@ def test_overhead_phases_add_up_to_the_process_wall_time():
 
     totals = {"imports": [3.0, 3.0], "end": [60.0, 100.0], "train_loop": [50.0, 95.0], "evaluate": [2.0, 3.0],
               "load_metric": [0.5, 0.5], "save_final": [1.0, 1.0], "plot_training_curves": [0.4, 0.4],
-              "load_raw_splits": [0.5, 0.5], "tokenize": [0.7, 0.7],
+              "load_raw_splits": [0.5, 0.5], "tokenize": [0.7, 0.7], "build_model": [0.3, 0.3],
               "started_at": 100.1, "ended_at": 160.3}  # fmt: skip
     rows = dict((name, wall) for name, wall, _ in phases(totals, 60.5, launched_at=100.0, exited_at=160.5))
     assert rows["Python start-up"] == pytest.approx(0.1)
@@ -88,6 +88,7 @@ def test_overhead_phases_add_up_to_the_process_wall_time():
     assert rows["training steps"] == pytest.approx(48.0)
     assert rows["evaluation (forward passes, gathering)"] == pytest.approx(1.5)
     assert rows["saving the model and results"] == pytest.approx(0.6)
+    assert rows["loading the model"] == pytest.approx(0.3)
     assert sum(rows.values()) == pytest.approx(60.5)
 
 
