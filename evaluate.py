@@ -119,7 +119,8 @@ def main(args):
 
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        # Rounded so that summation order (batch size, number of processes) cannot change the file.
+        # Rounded so that the number of processes (the summation order) cannot change the file. Another batch size
+        # pads differently, which under bf16 autocast can move eval_loss in the 6th decimal.
         write_json(args.output_dir / "eval_results.json", {k: round(v, 6) for k, v in metrics.items()})
 
         def show(value):

@@ -51,6 +51,7 @@ from src.reporting import (
     plot_training_curves,
     read_jsonl,
     setup_logging,
+    tracker_run_name,
     write_json,
 )
 from src.runtime import StopSignals, StopVote, resolve_mixed_precision, set_cpu_threads
@@ -159,6 +160,9 @@ def main(args):
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     num_epochs = math.ceil(max_train_steps / steps_per_epoch)
     warmup_steps = args.num_warmup_steps if args.num_warmup_steps is not None else args.warmup_ratio * max_train_steps
+    if warmup_steps >= max_train_steps > 0:  # the learning rate would never reach --learning_rate
+        raise UserError(f"--num_warmup_steps {args.num_warmup_steps} is not less than the run's {max_train_steps} "
+                        "optimizer steps: lower it, or use --warmup_ratio")  # fmt: skip
     lr_scheduler = get_scheduler(
         args.lr_scheduler_type,
         optimizer,
@@ -236,6 +240,9 @@ def start_or_resume(args, accelerator, resume_path, batches_per_epoch: int) -> d
         state = load_checkpoint(accelerator, resume_path, args)
         if state["batches_in_epoch"] >= batches_per_epoch:
             state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
+    # Trackers first: one that cannot start (say, wandb without an API key) stops the run before an old one is removed.
+    hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in vars(args).items()}
+    accelerator.init_trackers(tracker_run_name(args.report_to, args.output_dir), hparams)
     is_writer = accelerator.is_local_main_process if args.save_on_each_node else accelerator.is_main_process
     if is_writer:
         remove_checkpoints(args.output_dir, only_incomplete=not args.overwrite_output_dir)
@@ -244,9 +251,6 @@ def start_or_resume(args, accelerator, resume_path, batches_per_epoch: int) -> d
         write_json(args.output_dir / "args.json", vars(args))
         # A resumed run drops what the interrupted one logged after its checkpoint; a new run starts afresh.
         keep_records_up_to(args.output_dir / "metrics.jsonl", state["global_step"])
-    hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in vars(args).items()}
-    # TensorBoard logs go to output_dir/tensorboard; other trackers name the run after the folder.
-    accelerator.init_trackers("tensorboard" if args.report_to == "tensorboard" else args.output_dir.name, hparams)
     return state
 
 

@@ -464,6 +464,12 @@ def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> arg
         parser.error("--load_best_model_at_end needs --save_total_limit of 2 or more")
     if args.merge_lora and not args.use_peft:
         parser.error("--merge_lora merges a LoRA adapter into the model: it needs --use_peft")
+    lora_settings = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+    changed = [f"--{name}" for name in lora_settings if getattr(args, name) != parser.get_default(name)]
+    if changed and not args.use_peft:  # without it the whole model trains and these would be silently ignored
+        parser.error(
+            f"{', '.join(changed)} set(s) up LoRA: add --use_peft, or drop {'it' if len(changed) == 1 else 'them'}"
+        )
     if not args.lora_target_modules.replace(",", "").strip():
         parser.error("--lora_target_modules needs module names (e.g. q_proj,v_proj) or all-linear")
     if args.report_to not in ("tensorboard", "all", "none") and importlib.util.find_spec(args.report_to) is None:
@@ -486,4 +492,16 @@ def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> arg
     for flag in ("hub_model_id", "hub_token"):
         if getattr(args, flag) and not args.push_to_hub:
             parser.error(f"--{flag} is for --push_to_hub; add it, or drop --{flag}")
+    if args.push_to_hub:  # checked here, before the Hub is asked anything
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        name = args.hub_model_id or args.output_dir.resolve().name
+        try:
+            validate_repo_id(name)
+        except HFValidationError:
+            given = f"--hub_model_id {name!r}" if args.hub_model_id else f"--output_dir's name {name!r}"
+            parser.error(
+                f"{given} is not a Hub repository name: use name or owner/name, with letters, digits, '-', '_' and "
+                "'.' (at most 96 characters); set --hub_model_id"
+            )
     return args

@@ -94,18 +94,20 @@ def _longest_batch(dataset, tokenizer, size, padding: dict) -> dict:
 
 def _fits(model, batch, task, accelerator, trainable: int) -> bool:
     """One training step's memory on `batch`: forward, backward, gradients, and AdamW's two fp32 moments per
-    trainable weight (created at the first real step). The RNG (dropout) is left as it was."""
+    trainable weight (created at the first real step), plus, on more than one process, DDP's gradient buckets (a
+    copy of the gradients). The RNG (dropout) is left as it was."""
     batch = {key: value.to(accelerator.device) for key, value in batch.items()}
     labels = batch.pop("labels")
     device = accelerator.device
     model.train()
     try:
         with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
-            moments = torch.empty(2 * trainable, dtype=torch.float32, device=device)
+            buckets = trainable if accelerator.num_processes > 1 else 0  # the probe runs without DDP's wrapper
+            reserved = torch.empty(2 * trainable + buckets, dtype=torch.float32, device=device)
             with accelerator.autocast():
                 loss = task.loss(model(**batch).logits, labels)
             loss.backward()
-            del moments, loss
+            del reserved, loss
         return True
     except Exception as err:  # only out-of-memory errors mean "smaller"; anything else is a real failure
         if not should_reduce_batch_size(err):

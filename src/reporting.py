@@ -14,6 +14,12 @@ import torch
 import transformers
 
 
+def tracker_run_name(report_to: str, output_dir: Path) -> str:
+    """The name trackers file the run under. TensorBoard writes into output_dir/<this name>: `tensorboard/` when it
+    is the only tracker; with --report_to all the other trackers' runs are named after the output folder."""
+    return "tensorboard" if report_to == "tensorboard" else Path(output_dir).name
+
+
 def setup_logging():
     """Our INFO lines on the main process; the libraries' warnings, load reports and progress bars kept out."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)

@@ -137,6 +137,17 @@ def detect_task(dataset: Dataset, label_column: str, class_weights: str | None =
         task = Task(SINGLE_LABEL, tuple(feature.names))
     else:
         task = _single_value_task(dataset, label_column, feature)
+    if not task.is_regression and len(task.label_names) < 2:
+        only = f"one label only ({task.label_names[0]!r})"
+        if task.is_multi_label:
+            raise UserError(
+                f"label column {label_column!r} names {only}: multi-label needs at least 2; for one yes/no label, "
+                "give each row a single label instead (e.g. spam / not spam)"
+            )
+        raise UserError(
+            f"the training rows' label column {label_column!r} holds {only}: classification needs at least 2 "
+            "(check the file and --max_train_samples; float labels train a regression)"
+        )
     if class_weights == "balanced":
         if task.is_regression:
             raise UserError("--class_weights balanced is for classification, and these labels are numbers (regression)")

@@ -41,12 +41,22 @@ def test_rotation_keeps_the_newest_and_the_best(tiny_model, data, tmp_path):
     assert json.loads((out / "all_results.json").read_text())["eval_loss"] == best["eval_loss"]
 
 
-def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path):
+def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkeypatch):
     out = tmp_path / "out"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "epoch"))
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
     with pytest.raises(train.UserError, match="--overwrite_output_dir.*|--resume_from_checkpoint latest"):
         run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1"))
+    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}, "nothing touched"
+
+    # A tracker that cannot start (wandb without an API key, say) stops the run before the old one is removed.
+    def refuse(*args, **kwargs):
+        raise RuntimeError("tracker refused to start")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train.Accelerator, "init_trackers", refuse)
+        with pytest.raises(RuntimeError, match="tracker refused"):
+            run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--overwrite_output_dir"))
     assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}, "nothing touched"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--overwrite_output_dir"))
     assert not list(out.glob("checkpoint-*")), "the old run's checkpoints went with it"

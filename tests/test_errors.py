@@ -111,6 +111,11 @@ def test_resume_with_other_batching_settings_is_refused(tmp_path, tiny_model, ti
     changed = train_args(tiny_model, *tiny_data, out, "--resume_from_checkpoint", "latest", "--seed", "8")
     with pytest.raises(train.UserError, match=r"made with other settings \(--seed 7 -> 8\)"):
         train.main(train.parse_train_args(changed))
+    # Without a validation file the percentage decides which rows train.
+    other_split = train_args(tiny_model, *tiny_data, out, "--resume_from_checkpoint", "latest",
+                             "--validation_split_percentage", "20")  # fmt: skip
+    with pytest.raises(train.UserError, match=r"other settings \(--validation_split_percentage \d+ -> 20\)"):
+        train.main(train.parse_train_args(other_split))
 
 
 def test_an_error_on_one_rank_only_stops_every_rank_promptly(two_rank_run, tmp_path):

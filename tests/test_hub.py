@@ -157,11 +157,22 @@ def test_a_hub_that_does_not_answer_is_given_up_on(fake_hub, monkeypatch, tmp_pa
     assert time.monotonic() - started < 4, "gave up without waiting for the answer"
 
 
+def test_with_every_tracker_the_tensorboard_logs_stay_local_too(fake_hub, tmp_path, one_process):
+    """--report_to all: TensorBoard writes into a folder named after the run (the other trackers' run name)."""
+    out = tmp_path / "my-run"
+    for name in ("model.safetensors", "my-run/events.out.tfevents.1", "checkpoint-2/optimizer.bin"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("x")
+    push_to_hub(SimpleNamespace(output_dir=out, report_to="all"), one_process, HubTarget("alice/run", SECRET))
+    assert fake_hub.uploaded["files"] == ["model.safetensors"]
+
+
 def test_a_failed_upload_says_where_the_model_is(fake_hub, tmp_path, one_process):
     fake_hub.upload_error = ConnectionError("connection reset")
-    args = SimpleNamespace(output_dir=tmp_path)
+    args = SimpleNamespace(output_dir=tmp_path, report_to="tensorboard")
     with pytest.raises(UserError, match=rf"upload to alice/run failed \(connection reset\); the model is saved in "
-                                        rf"{tmp_path}: upload it with `hf upload alice/run {tmp_path}"):  # fmt: skip
+                                        rf"{tmp_path}: upload it with `hf upload alice/run {tmp_path} "
+                                        r"--exclude 'checkpoint-\*/\*' --exclude 'tensorboard/\*'`"):  # fmt: skip
         push_to_hub(args, one_process, HubTarget("alice/run", SECRET))
     push_to_hub(args, SimpleNamespace(is_main_process=False), HubTarget("alice/run", SECRET))  # not the main process
 
@@ -180,6 +191,16 @@ def test_the_model_card_of_an_adapter_run_and_unknown_settings(tmp_path):
     assert "| accuracy | 0.9123 |" in card and "(100 examples)" in card
     assert "| PEFT | lora_r=8, lora_alpha=16 |" in card and "| warmup | 5 steps |" in card
     assert SECRET not in card
+
+
+def test_the_card_of_the_packaged_model_names_it_by_its_hub_id(tmp_path):
+    """The default model lives in site-packages; the card (perhaps pushed to the Hub) names it, not that path."""
+    from src.model import default_model_path
+
+    write_model_card(tmp_path, {"model_name_or_path": default_model_path()}, {})
+    card = (tmp_path / "README.md").read_text()
+    assert "base_model: sentence-transformers/all-MiniLM-L6-v2" in card
+    assert "Fine-tuned from `sentence-transformers/all-MiniLM-L6-v2`" in card and "site-packages" not in card
 
 
 def test_every_train_output_has_a_model_card(tmp_path, tiny_model, tiny_data):

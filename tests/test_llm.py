@@ -21,7 +21,7 @@ from transformers.pytorch_utils import Conv1D
 from src.args import build_train_parser, parse_args, validate_train_args
 from src.batch_size import fit_batch_size, next_smaller
 from src.errors import UserError
-from src.model import build_model, head_modules, load_tokenizer, resolve_max_length
+from src.model import build_model, head_modules, load_model, load_tokenizer, resolve_max_length
 from src.task import SINGLE_LABEL, Task
 
 train = load_script("train")
@@ -229,10 +229,38 @@ def test_merged_lora_output_is_a_plain_model(tiny_decoders, data, tmp_path):
     assert metrics["eval_loss"] == pytest.approx(results["eval_loss"], abs=1e-5)  # merging rounds: W + BA
 
 
+def test_lora_on_a_base_whose_head_has_another_size_saves_merges_and_evaluates(tiny_decoders, data, tmp_path):
+    """A 3-class base fine-tuned on 2 classes: the new head is trained and saved; loading the adapter again (to
+    merge it, or in evaluate.py) puts it on that base without tripping over the base's own head."""
+    base = tmp_path / "base-3-classes"
+    AutoModelForSequenceClassification.from_pretrained(tiny_decoders["gpt2"], num_labels=3).save_pretrained(base)
+    load_tokenizer(str(tiny_decoders["gpt2"])).save_pretrained(base)
+    for merge in ([], ["--merge_lora"]):
+        out = tmp_path / f"out{len(merge)}"
+        results = run_train(*train_args(base, *data, out, "--use_peft", *merge))
+        metrics = run_evaluate(out, data[1], tmp_path / f"eval{len(merge)}")
+        assert metrics["eval_accuracy"] == results["eval_accuracy"]
+        assert metrics["eval_loss"] == pytest.approx(results["eval_loss"], abs=1e-5)
+
+    # The adapter folder moved away from its base, or damaged: one line that says which file to mend.
+    moved = tmp_path / "moved"
+    shutil.copytree(tmp_path / "out0", moved)
+    shutil.rmtree(base)
+    with pytest.raises(UserError, match=f"set base_model_name_or_path in {moved / 'adapter_config.json'}"):
+        load_model(str(moved))
+    (moved / "adapter_config.json").write_text("{not json")
+    with pytest.raises(UserError, match="adapter_config.json cannot be read"):
+        load_model(str(moved))
+
+
 def test_lora_flags_are_checked(tiny_decoders, data, tmp_path, capsys):
     with pytest.raises(SystemExit):
         flags("--merge_lora")
     assert "--merge_lora merges a LoRA adapter into the model: it needs --use_peft" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        flags("--lora_r", "4", "--lora_dropout", "0.1")
+    assert "--lora_r, --lora_dropout set(s) up LoRA: add --use_peft, or drop them" in capsys.readouterr().err
+    assert flags("--lora_r", "4", "--use_peft").lora_r == 4
     args = train_args(tiny_decoders["llama"], *data, tmp_path / "out", "--use_peft", "--lora_target_modules", "qkv")
     with pytest.raises(UserError, match="--lora_target_modules qkv: No modules were targeted.*; name linear layers"):
         run_train(*args)

@@ -66,6 +66,11 @@ def test_lists_of_labels_mean_multi_label(tmp_path):
         detect_task(Dataset.from_dict({"text": ["a", "b"], "labels": [["x"], None]}), "labels")
     with pytest.raises(UserError, match="holds only empty lists"):
         detect_task(load_file(write_rows(tmp_path / "e.jsonl", [{"text": "a", "labels": []}])), "labels")
+    # One label is a yes/no task: as multi-label its metrics and its saved config (num_labels=1) would mislead.
+    with pytest.raises(UserError, match=r"names one label only \('spam'\): multi-label needs at least 2"):
+        detect_task(Dataset.from_dict({"text": ["a", "b"], "labels": [["spam"], []]}), "labels")
+    with pytest.raises(UserError, match=r"holds one label only \('pos'\): classification needs at least 2"):
+        detect_task(Dataset.from_dict({"text": ["a", "b"], "label": ["pos", "pos"]}), "label")
 
 
 def test_multi_label_encoding_loss_and_predictions(tmp_path, tiny_model):
@@ -369,6 +374,19 @@ def test_glue_labels_outside_the_task_are_named(tmp_path, tiny_model):
         train.main(train.parse_train_args(args))
 
 
+def test_a_local_file_without_the_glue_columns_names_the_task_not_a_flag_never_given(tmp_path, tiny_model):
+    rows = [{"text_a": row["sentence1"], "text_b": row["sentence2"], "label": row["label"]} for row in mrpc_rows(8, 1)]
+    train_file = write_rows(tmp_path / "train.csv", rows)
+    expected = r"--task_name mrpc reads the column\(s\) sentence1, sentence2, and .*train.csv has no sentence1, "
+    with pytest.raises(UserError, match=expected + r"sentence2 \(its columns: text_a, text_b, label\)"):
+        train.main(train.parse_train_args(train_args(tiny_model, train_file, train_file, tmp_path / "o", "--task_name",
+                                                     "mrpc")))  # fmt: skip
+    # Named by the user, the columns are theirs to choose.
+    named = train_args(tiny_model, train_file, train_file, tmp_path / "named", "--task_name", "mrpc", "--text_column",
+                       "text_a", "--text_pair_column", "text_b", "--max_train_steps", "1")  # fmt: skip
+    assert train.main(train.parse_train_args(named))["global_step"] == 1
+
+
 # ---------------------------------------------------------------- run_glue_no_trainer.py's other flags
 
 
@@ -396,6 +414,8 @@ def test_trust_remote_code_from_a_config_file(tmp_path):
         (["--task_name", "mrpc", "--dataset_name", "x"], "either --task_name (GLUE) or --dataset_name"),
         (["--hub_token", "hf_x"], "--hub_token is for --push_to_hub"),
         (["--hub_model_id", "me/model"], "--hub_model_id is for --push_to_hub"),
+        (["--push_to_hub", "--hub_model_id", "a/b/c"], "--hub_model_id 'a/b/c' is not a Hub repository name"),
+        (["--push_to_hub", "--output_dir", "/tmp/my run!"], "--output_dir's name 'my run!' is not a Hub repository"),
         (["--multi_label_threshold", "1.5"], "--multi_label_threshold: must be between 0 and 1"),
         (["--trust_remote_code", "maybe"], "--trust_remote_code: must be true or false"),
         (["--task_name", "squad"], "--task_name: invalid choice"),

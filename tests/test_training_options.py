@@ -105,6 +105,14 @@ def test_max_train_steps_and_the_learning_rate_schedule(tiny_model_no_dropout, t
     assert [r["learning_rate"] for r in logged] == pytest.approx([rate(s) for s in range(1, 11)], abs=1e-12)
 
 
+def test_a_warmup_as_long_as_the_run_is_refused_before_anything_is_written(tiny_model_no_dropout, tiny_data, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(train.UserError, match="--num_warmup_steps 10 is not less than the run's 10 optimizer steps"):
+        run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, out, "--max_train_steps", "10",
+                                           "--num_warmup_steps", "10"))  # fmt: skip
+    assert not out.exists()
+
+
 def test_weight_decay_spares_biases_and_layer_norms(tiny_model_no_dropout):
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model_no_dropout)
     args = argparse.Namespace(weight_decay=0.1, learning_rate=0.01)
