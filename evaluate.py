@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from datasets import Dataset
 
@@ -32,8 +32,9 @@ from src.data import (
 from src.errors import UserError, main_process_first, run_cli
 from src.evaluation import evaluate
 from src.model import load_model, load_tokenizer, resolve_max_length
+from src.precision import choose_precision
 from src.reporting import plot_confusion_matrix, plot_regression, setup_logging, write_json
-from src.runtime import resolve_mixed_precision, set_cpu_threads
+from src.runtime import set_cpu_threads
 from src.task import task_of_config
 
 logger = get_logger(__name__)
@@ -75,11 +76,13 @@ def main(args):
     trained = training_settings(args.model_name_or_path)
     on_cpu = not torch.accelerator.is_available()
     # The training run's precision, unless told otherwise, so that its final metrics are reproduced.
-    precision = resolve_mixed_precision(args.mixed_precision or trained.get("mixed_precision"), on_cpu)
-    accelerator = Accelerator(cpu=on_cpu, mixed_precision=precision)
-    setup_logging()
+    PartialState(cpu=on_cpu)
     if on_cpu:
         set_cpu_threads(args.cpu_threads)
+    precision, why = choose_precision(args.mixed_precision, on_cpu, trained.get("mixed_precision"))
+    accelerator = Accelerator(cpu=on_cpu, mixed_precision=precision)
+    setup_logging()
+    logger.info(f"Mixed precision = {precision} ({why})")
 
     with main_process_first(accelerator):
         data = load_split(args)

@@ -13,7 +13,7 @@ import math
 import time
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.data_loader import skip_first_batches
 from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
@@ -26,6 +26,7 @@ from src.checkpoint import (
     check_output_dir,
     load_checkpoint,
     newest_checkpoint,
+    read_checkpoint_args,
     remove_checkpoints,
     resolve_checkpoint,
     save_checkpoint,
@@ -44,6 +45,7 @@ from src.model import (
     resolve_max_length,
     save_model,
 )
+from src.precision import choose_precision
 from src.reporting import (
     ThroughputWindow,
     append_jsonl,
@@ -54,7 +56,7 @@ from src.reporting import (
     tracker_run_name,
     write_json,
 )
-from src.runtime import StopSignals, StopVote, resolve_mixed_precision, set_cpu_threads
+from src.runtime import StopSignals, StopVote, set_cpu_threads
 from src.task import detect_task
 
 logger = get_logger(__name__)
@@ -65,13 +67,21 @@ def parse_train_args(argv=None):
     return validate_train_args(parser, parse_args(parser, argv))
 
 
-def build_accelerator(args) -> Accelerator:
+def build_accelerator(args, resume_path) -> Accelerator:
     on_cpu = not torch.accelerator.is_available()
+    # Without cpu=True, torchrun or `--multi_gpu` on a machine without GPUs would start N unrelated
+    # single-process runs instead of N ranks of one. The process group comes first: rank 0 may time both
+    # precisions on this machine's threads, and every rank takes its answer.
+    PartialState(cpu=on_cpu)
+    args.cpu_threads = set_cpu_threads(args.cpu_threads) if on_cpu else torch.get_num_threads()
+    # A resumed run keeps its precision, also on a machine that would choose another: resume stays exact.
+    saved = read_checkpoint_args(resume_path).get("mixed_precision") if resume_path else None
+    precision, args.mixed_precision_reason = choose_precision(args.mixed_precision, on_cpu, saved)
+    if not on_cpu:
+        torch.set_float32_matmul_precision("high")  # TF32: what stays fp32 runs on tensor cores too
     accelerator = Accelerator(
-        # Without cpu=True, torchrun or `--multi_gpu` on a machine without GPUs would start N unrelated
-        # single-process runs instead of N ranks of one.
         cpu=on_cpu,
-        mixed_precision=resolve_mixed_precision(args.mixed_precision, on_cpu),
+        mixed_precision=precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         step_scheduler_with_optimizer=False,  # the scheduler counts optimizer updates; see the loop
         # Batches are copied to the GPU without making the host wait for the step in flight.
@@ -80,7 +90,6 @@ def build_accelerator(args) -> Accelerator:
         project_config=ProjectConfiguration(project_dir=str(args.output_dir), save_on_each_node=args.save_on_each_node),
     )
     args.mixed_precision = accelerator.mixed_precision
-    args.cpu_threads = set_cpu_threads(args.cpu_threads) if on_cpu else torch.get_num_threads()
     return accelerator
 
 
@@ -128,11 +137,11 @@ def build_dataloaders(args, accelerator, model, splits, tokenizer, task, resume_
 
 
 def main(args):
-    accelerator = build_accelerator(args)
-    setup_logging()
     check_output_dir(args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
     resume = args.resume_from_checkpoint
     resume_path = resolve_checkpoint(resume, args.output_dir) if resume else None
+    accelerator = build_accelerator(args, resume_path)
+    setup_logging()
     hub_target = check_hub_access(args, accelerator)  # in seconds, before hours of training; the token leaves args
     set_seed(args.seed)
 
@@ -182,7 +191,7 @@ def main(args):
     logger.info(
         f"  Processes = {accelerator.num_processes} on {accelerator.device.type} "
         f"({accelerator.distributed_type.value}), {args.cpu_threads} CPU threads per process, "
-        f"mixed precision = {accelerator.mixed_precision}"
+        f"mixed precision = {accelerator.mixed_precision} ({args.mixed_precision_reason})"
     )
     logger.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size}")
     logger.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {total_batch_size}")

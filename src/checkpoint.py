@@ -115,6 +115,14 @@ SAME_ON_RESUME = (
 )
 
 
+def read_checkpoint_args(path: Path) -> dict:
+    """The resolved flags a checkpoint was saved with ({} if unreadable: load_checkpoint says why)."""
+    try:
+        return json.loads((Path(path) / STATE_FILE).read_text()).get("args", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 def load_checkpoint(accelerator, path: Path, args) -> dict:
     """Restore everything `save_checkpoint` saved; returns the loop's position."""
     try:

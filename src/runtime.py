@@ -1,6 +1,6 @@
-"""What a run takes from its machine and its launcher: CPU threads, precision, and stop signals.
+"""What a run takes from its machine and its launcher: CPU threads and stop signals.
 
-Launchers and schedulers meddle with all three: `accelerate launch` and torchrun set OMP_NUM_THREADS=1,
+Launchers and schedulers meddle with both: `accelerate launch` and torchrun set OMP_NUM_THREADS=1,
 SLURM and systemd signal every process of a job at once (and the launcher forwards the signal again),
 and Ctrl-C or a container's stop reaches only the launcher.
 """
@@ -77,26 +77,6 @@ def set_cpu_threads(requested: int | None) -> int:
     threads = requested or threads_chosen_by_user() or max(1, physical_cores() // local_world_size())
     torch.set_num_threads(threads)
     return threads
-
-
-def has_fast_bf16_cpu() -> bool:
-    """CPUs with AMX tiles (Intel Xeon since Sapphire Rapids) run bf16 matmuls several times faster than fp32;
-    elsewhere bf16 autocast on the CPU may well be slower."""
-    return torch.cpu._is_amx_tile_supported()
-
-
-def resolve_mixed_precision(requested: str | None, on_cpu: bool) -> str:
-    """--mixed_precision, else the launcher's `accelerate config` choice, else bf16 on CPUs where it is faster.
-
-    Launchers always pass a precision (ACCELERATE_MIXED_PRECISION, 'no' when nothing was configured), so
-    'no' from the environment counts as no choice. Pass --mixed_precision no for fp32 everywhere.
-    """
-    if requested:
-        return requested
-    configured = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if configured != "no":
-        return configured
-    return "bf16" if on_cpu and has_fast_bf16_cpu() else "no"
 
 
 # SIGTERM: SLURM, Kubernetes, systemd and `docker stop`; SIGINT: Ctrl-C; SIGHUP: a closed terminal;

@@ -4,8 +4,10 @@ import contextlib
 import csv
 import os
 import random
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,8 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The precision decision's per-machine cache (src/precision.py): the tests neither read nor write the user's.
+os.environ["FINETUNE_CACHE_DIR"] = tempfile.mkdtemp(prefix="finetune-cache-")
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_CONFIG = REPO / "accelerate_configs" / "cpu.yaml"
@@ -34,12 +38,14 @@ def fresh_accelerate_state():
 
 
 def _vocabulary() -> list[str]:
+    """Every word piece of the test sentences as BERT's pre-tokenizer splits them ("so-so" is so, -, so)."""
+    from tokenizers.pre_tokenizers import BertPreTokenizer
+
     from src.demo_data import NEGATIVE, POSITIVE, SUBJECTS, TEMPLATES
 
-    words = {
-        w for text in SUBJECTS + [t for t, _ in TEMPLATES] for w in text.replace("{", " ").replace("}", " ").split()
-    }
-    words |= set(POSITIVE) | set(NEGATIVE) | {"neutral", "okay", "fine", "so", "so-so"}
+    texts = SUBJECTS + [t.replace("{", " ").replace("}", " ") for t, _ in TEMPLATES] + POSITIVE + NEGATIVE
+    texts += ["neutral okay fine so so-so"]
+    words = {piece for text in texts for piece, _ in BertPreTokenizer().pre_tokenize_str(text)}
     return ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(words)
 
 
@@ -48,8 +54,9 @@ def make_tiny_model(folder: Path, dropout: float = 0.1) -> Path:
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.txt").write_text("\n".join(_vocabulary()) + "\n")
-    BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), model_max_length=64).save_pretrained(folder)
+    # vocab=, not vocab_file=: transformers 5 ignores vocab_file here and every word would become [UNK].
+    vocabulary = {word: i for i, word in enumerate(_vocabulary())}
+    BertTokenizerFast(vocab=vocabulary, model_max_length=64).save_pretrained(folder)
     config = BertConfig(
         vocab_size=len(_vocabulary()),
         hidden_size=32,
@@ -160,9 +167,17 @@ def load_script(name: str):
     return module
 
 
+def free_port() -> str:
+    """A port that the operating system just found free (not the global `random`, which train.main reseeds: two
+    launches after runs with the same seed would draw the same port)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
 def launch_command(script: str, args: list[str], num_processes: int = 2) -> list[str]:
-    """`accelerate launch` with really `num_processes` CPU ranks (gloo), on a random free-ish port."""
-    port = str(random.randint(20000, 40000))
+    """`accelerate launch` with really `num_processes` CPU ranks (gloo), on a free port."""
+    port = free_port()
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG)]
     return [*launcher, "--num_processes", str(num_processes), "--main_process_port", port, str(REPO / script), *args]
 

@@ -3,14 +3,13 @@ share them, and a value the user exported is kept (launchers' own OMP_NUM_THREAD
 
 import json
 import os
-import random
 import subprocess
 import sys
 
 import pytest
 import torch
 from accelerate import debug_launcher, notebook_launcher
-from conftest import CPU_CONFIG, REPO, sentiment_rows, train_args, write_rows
+from conftest import CPU_CONFIG, REPO, free_port, sentiment_rows, train_args, write_rows
 
 import src.runtime
 from src.runtime import set_cpu_threads
@@ -30,7 +29,7 @@ with open("rank-" + os.environ.get("RANK", "0") + ".json", "w") as report:  # in
 
 
 def launcher(kind: str) -> list[str]:
-    port = str(random.randint(20000, 40000))
+    port = free_port()
     return {
         "python": [sys.executable],
         "accelerate": [sys.executable, "-m", "accelerate.commands.launch"],

@@ -2,13 +2,12 @@
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, train_args
+from conftest import REPO, free_port, train_args
 from safetensors.torch import load_file
 
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
@@ -17,7 +16,7 @@ MULTI_NODE_CONFIG = REPO / "accelerate_configs" / "multi_node.yaml"
 
 def launch_two_nodes(args_for_rank) -> list[subprocess.CompletedProcess]:
     """`accelerate launch` once per 'machine' (machine_rank 0 and 1, one CPU process each) on 127.0.0.1."""
-    port = str(random.randint(20000, 40000))
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launchers = []
     for machine_rank in (0, 1):

@@ -9,7 +9,6 @@ reach only the launcher, which forwards the signal; torchrun starts each rank in
 import contextlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import time
 
 import psutil
 import pytest
-from conftest import REPO, launch_command, load_script, sentiment_rows, train_args, write_rows
+from conftest import REPO, free_port, launch_command, load_script, sentiment_rows, train_args, write_rows
 from safetensors.torch import load_file
 
 train = load_script("train")
@@ -49,7 +48,7 @@ def command(launcher: str, args: list[str]) -> list[str]:
     if launcher == "python":
         return [sys.executable, str(REPO / "train.py"), *args]
     if launcher == "torchrun":
-        port = str(random.randint(20000, 40000))
+        port = free_port()
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
                 str(REPO / "train.py"), *args]  # fmt: skip
     return launch_command("train.py", args, 2)  # accelerate launch with accelerate_configs/cpu.yaml

@@ -13,9 +13,6 @@ from conftest import load_script, run_in_process, train_args
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
-import src.runtime
-from src.runtime import resolve_mixed_precision
-
 train = load_script("train")
 
 
@@ -32,12 +29,6 @@ def max_difference(a, b) -> float:
     return max((first[k] - second[k]).abs().max().item() for k in first)
 
 
-def without_precision(argv: list[str]) -> list[str]:
-    """train_args without its `--mixed_precision no`, so that train.py chooses."""
-    i = argv.index("--mixed_precision")
-    return argv[:i] + argv[i + 2 :]
-
-
 def test_gradient_accumulation_equals_the_larger_batch(tiny_model_no_dropout, tiny_data, tmp_path):
     """4 rows accumulated twice update the model as 8 rows at once, with the default length grouping."""
     run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, tmp_path / "eight"))
@@ -48,36 +39,6 @@ def test_gradient_accumulation_equals_the_larger_batch(tiny_model_no_dropout, ti
     assert accumulated["global_step"] == eight["global_step"] == 16, "steps count updates, not batches"
     worst = max_difference(tmp_path / "eight", tmp_path / "four-twice")
     assert worst < 1e-5, f"weights differ by up to {worst}"  # measured: ~1e-7
-
-
-def test_the_default_precision_is_bf16_on_cpus_with_amx(monkeypatch):
-    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
-    assert resolve_mixed_precision(None, on_cpu=True) == ("bf16" if torch.cpu._is_amx_tile_supported() else "no")
-    monkeypatch.setattr(src.runtime, "has_fast_bf16_cpu", lambda: True)
-    assert resolve_mixed_precision(None, on_cpu=True) == "bf16" and resolve_mixed_precision(None, on_cpu=False) == "no"
-    assert resolve_mixed_precision("no", on_cpu=True) == "no", "the flag wins"
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # what `accelerate config` chose, passed by the launcher
-    assert resolve_mixed_precision(None, on_cpu=True) == "fp16"
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # launchers always pass one: 'no' is no choice
-    assert resolve_mixed_precision(None, on_cpu=True) == "bf16"
-
-
-def test_bf16_autocast_trains_on_cpu_close_to_fp32(tiny_model_no_dropout, tiny_data, tmp_path, monkeypatch):
-    """No --mixed_precision: fp32 without AMX, bf16 autocast with it (recorded in args.json), close to fp32."""
-    fp32 = tmp_path / "fp32"
-    run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, fp32))
-    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
-    for amx in (False, True):
-        monkeypatch.setattr(src.runtime, "has_fast_bf16_cpu", lambda amx=amx: amx)
-        out = tmp_path / f"amx-{amx}"
-        run_in_process("train", without_precision(train_args(tiny_model_no_dropout, *tiny_data, out)))
-        assert json.loads((out / "args.json").read_text())["mixed_precision"] == ("bf16" if amx else "no")
-        assert all(math.isfinite(r["loss"]) for r in records(out) if "loss" in r)
-    assert max_difference(fp32, tmp_path / "amx-False") == 0.0
-    difference = max_difference(fp32, tmp_path / "amx-True")
-    assert 0 < difference < 0.05, "bf16 rounding shows, but the run stays close"  # measured: ~2e-3
-    bf16_loss, fp32_loss = results(tmp_path / "amx-True")["eval_loss"], results(fp32)["eval_loss"]
-    assert bf16_loss == pytest.approx(fp32_loss, abs=0.01)  # measured: ~3e-6
 
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine", "constant_with_warmup"])
