@@ -257,7 +257,8 @@ def build_train_parser() -> ArgumentParser:
     train.add_argument(
         "--mixed_precision",
         choices=PRECISIONS,
-        help="Default: what `accelerate config` chose; without one, bf16 autocast on CPUs with fast bf16 (AMX), "
+        help="Default: what `accelerate config` chose; without one, bf16 autocast where it is faster (GPUs with bf16, "
+        "CPUs with AMX, CPUs with avx512_bf16 where a timing says so: src/precision.py), "
         "else no (fp32).",
     )
     train.add_argument(
@@ -381,7 +382,7 @@ def build_eval_parser() -> ArgumentParser:
     run.add_argument(
         "--mixed_precision",
         choices=PRECISIONS,
-        help="Default: as train.py chooses (`accelerate config`, else bf16 on CPUs with fast bf16, else no).",
+        help="Default: the training run's (args.json), else as train.py chooses.",
     )
     run.add_argument("--cpu_threads", type=_positive_int, help="Threads per process on a CPU run; as train.py.")
     return parser

@@ -15,6 +15,9 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite tests CPU runs (gloo ranks, the CPU's precision rules, fp32 comparisons): on a machine with GPUs the
+# in-process runs and every launched rank stay on the CPU, so the same assertions hold there.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # The precision decision's per-machine cache (src/precision.py): the tests neither read nor write the user's.
 os.environ["FINETUNE_CACHE_DIR"] = tempfile.mkdtemp(prefix="finetune-cache-")
 
@@ -126,6 +129,17 @@ def tiny_data(tmp_path) -> tuple[Path, Path]:
     return write_rows(tmp_path / "train.csv", sentiment_rows(64, seed=1)), write_rows(
         tmp_path / "dev.csv", sentiment_rows(37, seed=2)
     )
+
+
+# Two fp32 runs of the same training whose sums run in another order (1 rank of 8 rows or 2 ranks of 4, or
+# accumulation) are equal up to rounding. Each sum of n float32 terms is off by at most ~n * 2^-24 of its size:
+# relative ~1e-6 for the tests' batches and hidden sizes. AdamW turns a relative change of a gradient into at most
+# the same relative change of the update, and an update is at most ~lr = 1e-3, so over the tests' <= 16 steps the
+# weights may drift apart by ~16 * 1e-3 * 1e-6 = 2e-8, times whatever the steps amplify it (measured: ~1e-6).
+# WEIGHTS_ATOL leaves that amplification a 100x margin and stays 10x under a single step's lr; a lost or doubled
+# gradient changes the loss at once, which the tests check at LOSS_ATOL (losses are ~0.7; 1e-6 relative is 1e-6).
+WEIGHTS_ATOL = 1e-4
+LOSS_ATOL = 1e-5
 
 
 def train_args(model: Path, train: Path, dev: Path, output_dir: Path, *extra: str) -> list[str]:

@@ -11,7 +11,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
-from conftest import DECODER_LAYOUTS, launch, load_script, sentiment_rows, train_args, write_rows
+from conftest import DECODER_LAYOUTS, WEIGHTS_ATOL, launch, load_script, sentiment_rows, train_args, write_rows
 from fake_oom import out_of_memory_above
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
@@ -363,7 +363,7 @@ def test_full_fine_tuning_on_two_ranks_where_one_runs_out_of_memory(tiny_decoder
     assert results["trainable_parameters"] == results["total_parameters"]
     a, b = weights(one), weights(two)
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst < 1e-5, f"weights differ by up to {worst}"
+    assert worst < WEIGHTS_ATOL, f"weights differ by up to {worst}"  # sums in another order
     assert AutoConfig.from_pretrained(two).pad_token_id == AutoTokenizer.from_pretrained(two).pad_token_id == 2
 
 
@@ -385,7 +385,7 @@ def test_lora_on_two_ranks_matches_one_rank_and_resumes_exactly(tiny_decoders, d
     run_train(*train_args(base, *data, one, *lora[:-2], "--per_device_train_batch_size", "4"))
     single = load_file(one / "adapter_model.safetensors")
     worst = max((adapter[k] - single[k]).abs().max().item() for k in adapter)
-    assert worst < 1e-5, f"adapters differ by up to {worst}"
+    assert worst < WEIGHTS_ATOL, f"adapters differ by up to {worst}"  # sums in another order
     final = json.loads((two / "all_results.json").read_text())
     metrics = run_evaluate(two, data[1], tmp_path / "eval")
     assert metrics["eval_accuracy"] == final["eval_accuracy"]

@@ -69,10 +69,15 @@ def test_benchmark_targets_report_met_and_missed():
             "trainer": summary(100.0, 0.835),
         }
     )
-    assert lines[0].startswith("- train.py wall / tuned Trainer wall = 0.80") and lines[0].endswith("MET")
-    assert "best peer (Trainer as it comes) 0.8350: -1.5 points" in lines[1] and lines[1].endswith("MISSED")
-    assert lines[2].endswith("MET") and lines[3].endswith("MET")
-    assert "accelerate launch / python = 0.90 (1 vs 2 threads" in lines[4] and lines[4].endswith("MISSED")
+    assert lines[0].startswith("- train.py wall / tuned Trainer wall = 0.80 (<= 0.8)") and lines[0].endswith("MET")
+    assert lines[1].startswith("- train.py wall / Trainer as it comes wall = 0.40 (<= 0.5)") and lines[1].endswith(
+        "MET"
+    )
+    assert "best peer (Trainer as it comes) 0.8350: -1.5 points" in lines[2] and lines[2].endswith("MISSED")
+    assert lines[3].endswith("MET") and lines[4].endswith("MET")
+    assert "accelerate launch / python = 0.90 (1 vs 2 threads" in lines[5] and lines[5].endswith("MISSED")
+    slower = target_lines({"project": summary(60.0, 0.82), "trainer_grouped": summary(70.0, 0.82)})
+    assert slower[0].startswith("- train.py wall / tuned Trainer wall = 0.86") and slower[0].endswith("MISSED")
 
 
 def test_overhead_phases_add_up_to_the_process_wall_time():

@@ -11,11 +11,12 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, launch, load_script, sentiment_rows, train_args, write_rows
+from conftest import REPO, free_port, launch, load_script, sentiment_rows, train_args, write_rows
 from datasets import ClassLabel, Dataset, DatasetDict, Features, List, Value
 from sklearn.metrics import f1_score
 from transformers import AutoConfig, AutoTokenizer
 
+import src.runtime
 from src.args import build_train_parser, parse_args, validate_train_args
 from src.data import build_eval_dataloader, build_train_dataloader, load_file, tokenize
 from src.errors import UserError
@@ -496,8 +497,7 @@ def test_notebook_launcher_runs_two_cpu_processes(tmp_path, tiny_model):
         "from accelerate import notebook_launcher\n"
         "import train\n"
         f"notebook_launcher(train.main, (train.parse_train_args({flags!r}),), num_processes=2, "
-        # A fresh generator: the runs in this process seeded the global one, and a fixed port may still be held.
-        f"use_port='{random.Random().randint(20000, 40000)}')\n"
+        f"use_port='{free_port()}')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # Its own session, so that a timeout ends the forked workers too, not only the launching interpreter.
@@ -511,4 +511,7 @@ def test_notebook_launcher_runs_two_cpu_processes(tmp_path, tiny_model):
     assert launcher.returncode == 0, log[-3000:]
     assert log.count("Running training") == 1 and "Processes = 2 on cpu" in log, "one group of 2, logging once"
     results = json.loads((tmp_path / "out" / "all_results.json").read_text())
-    assert results["num_processes"] == 2 and results["cpu_threads_per_process"] >= 1 and results["eval_samples"] == 9
+    share = max(1, src.runtime.physical_cores() // 2)  # each of the 2 processes its half of the cores
+    assert (
+        results["num_processes"] == 2 and results["cpu_threads_per_process"] == share and results["eval_samples"] == 9
+    )
