@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, free_port, launch, load_script, sentiment_rows, train_args, write_rows
+from conftest import REPO, free_port, launch, load_script, reference_logits, sentiment_rows, train_args, write_rows
 from datasets import ClassLabel, Dataset, DatasetDict, Features, List, Value
 from sklearn.metrics import f1_score
 from transformers import AutoConfig, AutoTokenizer
@@ -160,6 +160,54 @@ def test_evaluate_writes_label_sets_and_reproduces_the_weighted_loss(multi_label
     strict = evaluate_script.main(evaluate_script.parse_eval_args([*args[:4], "--output_dir", str(tmp_path / "s"),
                                                                    "--multi_label_threshold", "0.99"]))  # fmt: skip
     assert strict["eval_loss"] == pytest.approx(metrics["eval_loss"])
+
+
+def test_the_multi_label_threshold_decides_predictions_and_metrics(tmp_path, tiny_model):
+    """A label is predicted when its probability is above --multi_label_threshold (README): train.py's threshold
+    decides its metrics and is the one evaluate.py uses, unless evaluate.py is given another."""
+    train_file = write_rows(tmp_path / "train.jsonl", ticket_rows(32, seed=1))
+    rows = ticket_rows(16, seed=2)
+    dev_file = write_rows(tmp_path / "dev.jsonl", rows)
+    out = tmp_path / "out"
+    results = train.main(train.parse_train_args(train_args(tiny_model, train_file, dev_file, out, "--max_train_steps",
+                                                           "8", "--learning_rate", "5e-3", "--multi_label_threshold",
+                                                           "0.3")))  # fmt: skip
+    names = ("acting", "music", "praise", "story")
+    assert tuple(AutoConfig.from_pretrained(out).id2label.values()) == names
+    # The saved model's probabilities, without src/: what each threshold should predict.
+    probabilities = reference_logits(out, [r["text"] for r in rows]).sigmoid()
+    truth = [[int(name in r["labels"]) for name in names] for r in rows]
+
+    def predicted(threshold) -> list[list[int]]:
+        return (probabilities > threshold).long().tolist()
+
+    # evaluate.py's own threshold: halfway between the likeliest label's probability and the next one's. The run's
+    # 0.3, the default 0.5 and this one predict three different label sets (so the test tells them apart), and no
+    # probability is so close to one of them that float rounding could tip it.
+    by_label = probabilities.mean(0).sort().values
+    own = round(((by_label[-1] + by_label[-2]) / 2).item(), 3)
+    assert len({str(predicted(t)) for t in (0.3, 0.5, own)}) == 3
+    assert all((probabilities - t).abs().min() > 1e-3 for t in (0.3, 0.5, own))
+
+    assert results["eval_f1_micro"] == pytest.approx(f1_score(truth, predicted(0.3), average="micro"))
+    assert results["eval_exact_match"] == pytest.approx(sum(p == t for p, t in zip(predicted(0.3), truth)) / 16)
+
+    def evaluated(name, *flags) -> tuple[dict, list[list[str]]]:
+        args = ["--model_name_or_path", str(out), "--validation_file", str(dev_file), "--output_dir",
+                str(tmp_path / name), *flags]  # fmt: skip
+        metrics = evaluate_script.main(evaluate_script.parse_eval_args(args))
+        with open(tmp_path / name / "predictions.csv", newline="") as file:
+            return metrics, [json.loads(r["prediction"]) for r in csv.DictReader(file)]
+
+    def as_names(multi_hot) -> list[list[str]]:
+        return [[name for name, bit in zip(names, row) if bit] for row in multi_hot]
+
+    metrics, table = evaluated("run's")  # the run's 0.3, from its args.json
+    assert table == as_names(predicted(0.3)) and metrics["eval_f1_micro"] == pytest.approx(results["eval_f1_micro"])
+    metrics, table = evaluated("own", "--multi_label_threshold", str(own))
+    assert table == as_names(predicted(own))
+    expected = f1_score(truth, predicted(own), average="micro", zero_division=0)
+    assert metrics["eval_f1_micro"] == pytest.approx(expected)
 
 
 def test_a_label_the_model_never_saw_is_named(multi_label_run, tmp_path):
