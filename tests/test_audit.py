@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from conftest import launch, load_script, reference_logits, sentiment_rows, train_args, write_rows
+from conftest import LOSS_ATOL, launch, load_script, reference_logits, sentiment_rows, train_args, write_rows
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -270,7 +270,7 @@ def test_evaluate_overrides_max_eval_samples_max_length_and_precision(trained_ti
     lines = (tmp_path / "first" / "predictions.csv").read_text().splitlines()
     assert [line.split(",")[1] for line in lines[1:]] == [r["label"] for r in rows[:5]]
     five = F.cross_entropy(reference_logits(trained_tiny_model, [r["sentence"] for r in rows[:5]]), labels[:5])
-    assert first["eval_loss"] == pytest.approx(five.item(), abs=1e-6)
+    assert first["eval_loss"] == pytest.approx(five.item(), abs=LOSS_ATOL)  # batched vs one by one: sum order
 
     # --max_length 4: every text cut to 4 tokens ([CLS], 2 words, [SEP]), as the model is then run on it.
     tokenizer = AutoTokenizer.from_pretrained(trained_tiny_model)
@@ -282,12 +282,13 @@ def test_evaluate_overrides_max_eval_samples_max_length_and_precision(trained_ti
     lengths = [len(tokenizer(r["sentence"])["input_ids"]) for r in rows]
     assert min(lengths) > 4 and max(lengths) < 64, "4 cuts every text, the run's 64 none"
     assert longest == [max(lengths[:5]), 4]
-    assert short["eval_loss"] == pytest.approx(F.cross_entropy(cut, labels).item(), abs=1e-6)
+    assert short["eval_loss"] == pytest.approx(F.cross_entropy(cut, labels).item(), abs=LOSS_ATOL)
 
-    # --mixed_precision bf16: autocast, so a loss close to the fp32 one but not equal.
+    # --mixed_precision bf16 reaches the Accelerator (autocast): a loss close to the fp32 one. Not necessarily
+    # another one: this barely trained model's logits are so close to 0 that bf16 may round them to the same loss.
     bf16 = run("bf16", "--mixed_precision", "bf16")
     assert precisions == ["no", "no", "bf16"] and longest[2] == max(lengths)
-    assert 1e-6 < abs(bf16["eval_loss"] - full_loss) < 0.02
+    assert abs(bf16["eval_loss"] - full_loss) < 0.02
 
 
 # ---------------------------------------------------------------- errors and signals
