@@ -196,25 +196,36 @@ def launch_command(script: str, args: list[str], num_processes: int = 2) -> list
     return [*launcher, "--num_processes", str(num_processes), "--main_process_port", port, str(REPO / script), *args]
 
 
-def launch(script: str, args: list[str], num_processes: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run a real multi-process launch to its end. On a timeout every process of it is killed, not only the
-    launcher (torchrun starts each rank in a session of its own), so none writes on into the next test."""
-    import psutil
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = launch_command(script, args, num_processes)
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def run_process(command: list[str], timeout: float, **options) -> subprocess.CompletedProcess:
+    """subprocess.run(command, capture_output=True, text=True), except that on a timeout every process it started
+    is killed, not only the first: a launcher's ranks (torchrun starts each in a session of its own) and their
+    workers, so that none writes on into the next test."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **options)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        kill_tree(process)
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def kill_tree(process: subprocess.Popen):
+    """Kill a process and every process below it, wherever their sessions are, and reap them."""
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
         tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
         for member in tree:
             with contextlib.suppress(psutil.NoSuchProcess):
                 member.kill()
         psutil.wait_procs(tree, timeout=30)
-        process.communicate()
-        raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    process.communicate()
+
+
+def launch(script: str, args: list[str], num_processes: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a real multi-process launch to its end (every process of it killed on a timeout)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return run_process(launch_command(script, args, num_processes), timeout, cwd=REPO, env=env)
 
 
 # The 2-rank reference run's settings beyond train_args: 2 ranks x 4 (the 1-rank twin uses 8), evaluation every 3

@@ -5,7 +5,6 @@ Each launch is shared by the tests that check different things about the same ru
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -18,6 +17,7 @@ from conftest import (
     launch,
     reference_logits,
     run_in_process,
+    run_process,
     score_rows,
     sentiment_rows,
     tensor_names,
@@ -225,7 +225,7 @@ def test_each_launcher_forms_one_group_that_counts_every_example_once(
                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "--main_process_port", port]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([*command, *script_args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = run_process([*command, *script_args], 300, cwd=REPO, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count(f"with {n} process(es)") == 1, "one group of ranks, logging once"
     for name in ("eval_results.json", "predictions.csv"):

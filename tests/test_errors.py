@@ -2,12 +2,11 @@
 
 import os
 import shutil
-import subprocess
 import sys
 import time
 
 import pytest
-from conftest import REPO, launch, load_script, sentiment_rows, train_args, write_rows
+from conftest import REPO, launch, load_script, run_process, sentiment_rows, train_args, write_rows
 
 train = load_script("train")
 evaluate_script = load_script("evaluate")
@@ -16,7 +15,7 @@ evaluate_script = load_script("evaluate")
 def run_script(*argv):
     """A real process: what a user sees is its stderr and exit status, which only a command line shows."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    return run_process([sys.executable, *argv], 120, cwd=REPO, env=env)
 
 
 def assert_one_line_error(result, culprit):

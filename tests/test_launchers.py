@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from accelerate import debug_launcher, notebook_launcher
-from conftest import CPU_CONFIG, REPO, free_port, sentiment_rows, train_args, write_rows
+from conftest import CPU_CONFIG, REPO, free_port, run_process, sentiment_rows, train_args, write_rows
 
 import src.runtime
 from src.runtime import set_cpu_threads
@@ -57,8 +57,7 @@ def test_threads_per_process_under_each_launcher(tmp_path, kind, exported, expec
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if exported:
         env["OMP_NUM_THREADS"] = exported
-    result = subprocess.run([*launcher(kind), str(probe)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
+    result = run_process([*launcher(kind), str(probe)], 120, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank-*.json"))] == expected
 
@@ -94,9 +93,26 @@ def test_the_banner_and_results_report_the_threads(tiny_model, tmp_path):
     args = train_args(tiny_model, train_file, train_file, tmp_path / "out", "--num_train_epochs", "1")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["HF_HOME"] = str(tmp_path / "hf_home")  # no default accelerate config file: the launcher's own defaults
-    result = subprocess.run([*launcher("accelerate"), str(REPO / "train.py"), *args], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = run_process([*launcher("accelerate"), str(REPO / "train.py"), *args], 300, cwd=REPO, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     cores = src.runtime.physical_cores()
     assert f"{cores} CPU threads per process" in result.stderr
     assert json.loads((tmp_path / "out" / "all_results.json").read_text())["cpu_threads_per_process"] == cores
+
+
+def test_a_launch_that_times_out_leaves_no_process_behind(tmp_path):
+    """The tests' run_process (and so launch) kills every process it started on a timeout, also one in a session
+    of its own, as torchrun starts its ranks: none may write on into the next test."""
+    import psutil
+
+    pid_file = tmp_path / "rank.pid"
+    rank = "import time; time.sleep(600)"
+    # The pretend rank's output goes elsewhere, so that a helper that left it running would fail here, not hang.
+    launcher = (
+        f"import pathlib, subprocess, sys, time; rank = subprocess.Popen([sys.executable, '-c', {rank!r}], "
+        "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(rank.pid)); time.sleep(600)"
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_process([sys.executable, "-c", launcher], timeout=5)
+    assert not psutil.pid_exists(int(pid_file.read_text())), "the rank in its own session was left running"

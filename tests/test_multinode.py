@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, train_args
+from conftest import REPO, free_port, kill_tree, train_args
 from safetensors.torch import load_file
 
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
@@ -30,9 +30,14 @@ def launch_two_nodes(args_for_rank) -> list[subprocess.CompletedProcess]:
         launchers.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))  # fmt: skip
     results = []
-    for launcher in launchers:
-        output, _ = launcher.communicate(timeout=300)
-        results.append(subprocess.CompletedProcess(launcher.args, launcher.returncode, output))
+    try:
+        for launcher in launchers:
+            output, _ = launcher.communicate(timeout=300)
+            results.append(subprocess.CompletedProcess(launcher.args, launcher.returncode, output))
+    except subprocess.TimeoutExpired:
+        for launcher in launchers:  # both machines' launchers and ranks: none may write on into the next test
+            kill_tree(launcher)
+        raise
     return results
 
 

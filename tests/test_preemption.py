@@ -17,7 +17,7 @@ import time
 
 import psutil
 import pytest
-from conftest import REPO, free_port, launch_command, load_script, sentiment_rows, train_args, write_rows
+from conftest import REPO, free_port, launch_command, load_script, run_process, sentiment_rows, train_args, write_rows
 from safetensors.torch import load_file
 
 train = load_script("train")
@@ -159,8 +159,7 @@ def uninterrupted(tiny_model, data, tmp_path_factory):
         if num_processes not in runs:
             folder = tmp_path_factory.mktemp(f"reference-{num_processes}")
             launcher = "python" if num_processes == 1 else "accelerate"
-            result = subprocess.run(command(launcher, run_args(tiny_model, data, folder, num_processes)), cwd=REPO,
-                                    capture_output=True, text=True, timeout=300)  # fmt: skip
+            result = run_process(command(launcher, run_args(tiny_model, data, folder, num_processes)), 300, cwd=REPO)
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
             runs[num_processes] = folder
         return runs[num_processes]
@@ -227,7 +226,7 @@ def test_a_signal_saves_the_current_step_and_the_run_resumes_exactly(
     assert not (folder / "all_results.json").exists()
 
     resume = command(launcher, [*args, "--resume_from_checkpoint", "latest"])
-    result = subprocess.run(resume, cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_process(resume, 300, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"resuming from {folder / saved} at step {step}" in result.stderr
     assert_same_weights(reference, folder)
@@ -251,7 +250,7 @@ def test_kill_9_of_every_process_resumes_from_the_last_checkpoint(tiny_model, da
     assert max(complete) >= 10, checkpoints(folder)
 
     resume = [*args, "--resume_from_checkpoint", "latest"]
-    result = subprocess.run(command(launcher, resume), cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_process(command(launcher, resume), 300, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_same_weights(reference, folder)
     assert logged_steps(folder) == logged_steps(reference)

@@ -1,12 +1,11 @@
 """Speed work: the sampler's padding bound and guarantees, and the benchmark scripts' own logic."""
 
 import json
-import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, run_process
 from datasets import Dataset
 
 from src.data import LENGTH_COLUMN, LengthGroupedSampler, lengths_of
@@ -102,7 +101,7 @@ def test_gpu_benchmark_runs_end_to_end_on_tiny_models(tmp_path):
     """The GPU benchmark's plumbing on the CPU: model making, both runners, the steady-rate reading, the table."""
     command = [sys.executable, str(REPO / "benchmarks" / "gpu_benchmark.py"), "--tiny", "--only", "minilm",
                "--report_dir", str(tmp_path / "report"), "--work_dir", str(tmp_path / "work")]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = run_process(command, 600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = {run["run"]: run for run in json.loads((tmp_path / "report" / "gpu_benchmark.json").read_text())["runs"]}
     assert set(runs) == {"minilm train.py", "minilm Trainer"}
