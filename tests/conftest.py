@@ -123,12 +123,16 @@ def score_rows(count: int, seed: int = 0) -> list[dict]:
     ]
 
 
+def sentiment_files(folder: Path, train_rows: int, dev_rows: int) -> tuple[Path, Path]:
+    """(train.csv, dev.csv) of demo sentences with string labels, from seeds 1 and 2."""
+    return (write_rows(folder / "train.csv", sentiment_rows(train_rows, seed=1)),
+            write_rows(folder / "dev.csv", sentiment_rows(dev_rows, seed=2)))  # fmt: skip
+
+
 @pytest.fixture
 def tiny_data(tmp_path) -> tuple[Path, Path]:
     """(train.csv with 64 rows, dev.csv with 37 rows): string labels, an uneven validation size."""
-    return write_rows(tmp_path / "train.csv", sentiment_rows(64, seed=1)), write_rows(
-        tmp_path / "dev.csv", sentiment_rows(37, seed=2)
-    )
+    return sentiment_files(tmp_path, 64, 37)
 
 
 # Two fp32 runs of the same training whose sums run in another order (1 rank of 8 rows or 2 ranks of 4, or

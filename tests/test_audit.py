@@ -12,7 +12,16 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from conftest import LOSS_ATOL, launch, load_script, reference_logits, sentiment_rows, train_args, write_rows
+from conftest import (
+    LOSS_ATOL,
+    launch,
+    load_script,
+    reference_logits,
+    sentiment_files,
+    sentiment_rows,
+    train_args,
+    write_rows,
+)
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -29,9 +38,7 @@ train = load_script("train")
 def data(tmp_path_factory):
     """16 training rows (2 steps of 8 an epoch) and 8 validation rows: the least that trains and evaluates."""
     folder = tmp_path_factory.mktemp("audit-data")
-    return write_rows(folder / "train.csv", sentiment_rows(16, seed=1)), write_rows(
-        folder / "dev.csv", sentiment_rows(8, seed=2)
-    )
+    return sentiment_files(folder, 16, 8)
 
 
 def run_train(argv: list[str]) -> dict:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import load_script, sentiment_rows, train_args, write_rows
+from conftest import load_script, sentiment_files, train_args
 from safetensors.torch import load_file
 
 train = load_script("train")
@@ -16,9 +16,7 @@ train = load_script("train")
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("data")
-    return write_rows(folder / "train.csv", sentiment_rows(64, seed=1)), write_rows(
-        folder / "dev.csv", sentiment_rows(20, seed=2)
-    )
+    return sentiment_files(folder, 64, 20)
 
 
 def run_main(*argv):

@@ -11,7 +11,15 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
-from conftest import DECODER_LAYOUTS, WEIGHTS_ATOL, launch, load_script, sentiment_rows, train_args, write_rows
+from conftest import (
+    DECODER_LAYOUTS,
+    WEIGHTS_ATOL,
+    launch,
+    load_script,
+    sentiment_files,
+    sentiment_rows,
+    train_args,
+)
 from fake_oom import out_of_memory_above
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
@@ -33,9 +41,7 @@ TEXTS = [row["sentence"] for row in sentiment_rows(7, seed=3)] + ["bad", "the pl
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("data")
-    return write_rows(folder / "train.csv", sentiment_rows(64, seed=1)), write_rows(
-        folder / "dev.csv", sentiment_rows(21, seed=2)
-    )
+    return sentiment_files(folder, 64, 21)
 
 
 def run_train(*argv):

@@ -17,7 +17,15 @@ import time
 
 import psutil
 import pytest
-from conftest import REPO, free_port, launch_command, load_script, run_process, sentiment_rows, train_args, write_rows
+from conftest import (
+    REPO,
+    free_port,
+    launch_command,
+    load_script,
+    run_process,
+    sentiment_files,
+    train_args,
+)
 from safetensors.torch import load_file
 
 train = load_script("train")
@@ -34,9 +42,7 @@ LAUNCHER_STATUS = 1
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("data")
-    return write_rows(folder / "train.csv", sentiment_rows(128, seed=1)), write_rows(
-        folder / "dev.csv", sentiment_rows(20, seed=2)
-    )
+    return sentiment_files(folder, 128, 20)
 
 
 def run_args(model, data, output_dir, num_processes, *extra):
