@@ -12,6 +12,7 @@ The files are the same whether it runs on 1 or many processes.
 import csv
 import gc
 import json
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -76,7 +77,7 @@ def main(args):
     trained = training_settings(args.model_name_or_path)
     on_cpu = not torch.accelerator.is_available()
     # The training run's precision, unless told otherwise, so that its final metrics are reproduced.
-    PartialState(cpu=on_cpu)
+    PartialState(cpu=on_cpu, timeout=timedelta(seconds=args.ddp_timeout))
     if on_cpu:
         set_cpu_threads(args.cpu_threads)
     precision, why = choose_precision(args.mixed_precision, on_cpu, trained.get("mixed_precision"))
@@ -84,7 +85,7 @@ def main(args):
     setup_logging()
     logger.info(f"Mixed precision = {precision} ({why})")
 
-    with main_process_first(accelerator):
+    with main_process_first(accelerator, args.data_preparation_timeout):
         data = load_split(args)
         if args.max_eval_samples:
             data = data.select(range(min(args.max_eval_samples, len(data))))

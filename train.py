@@ -11,6 +11,7 @@ One script from a laptop CPU to many GPUs on many machines:
 import gc
 import math
 import time
+from datetime import timedelta
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -72,7 +73,7 @@ def build_accelerator(args, resume_path) -> Accelerator:
     # Without cpu=True, torchrun or `--multi_gpu` on a machine without GPUs would start N unrelated
     # single-process runs instead of N ranks of one. The process group comes first: rank 0 may time both
     # precisions on this machine's threads, and every rank takes its answer.
-    PartialState(cpu=on_cpu)
+    PartialState(cpu=on_cpu, timeout=timedelta(seconds=args.ddp_timeout))
     args.cpu_threads = set_cpu_threads(args.cpu_threads) if on_cpu else torch.get_num_threads()
     # A resumed run keeps its precision, also on a machine that would choose another: resume stays exact.
     saved = read_checkpoint_args(resume_path).get("mixed_precision") if resume_path else None
@@ -99,7 +100,7 @@ def load_data_and_model(args, accelerator):
     Rank 0 goes first and fills the caches (and downloads); the other ranks then read them.
     """
     args.model_name_or_path = args.model_name_or_path or default_model_path()
-    with main_process_first(accelerator):
+    with main_process_first(accelerator, args.data_preparation_timeout):
         raw = load_raw_splits(args)
         columns = detect_columns(raw["train"].column_names, args.text_column, args.text_pair_column, args.label_column)
         args.text_column, args.text_pair_column, args.label_column = columns

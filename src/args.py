@@ -109,6 +109,23 @@ def _add_multi_label_threshold_argument(group, default, help_default):
     )
 
 
+def _add_timeout_arguments(group):
+    group.add_argument(
+        "--ddp_timeout",
+        type=_positive_int,
+        default=1800,
+        help="Seconds a rank waits in a collective (gradients, metrics, barriers) before the run fails: a dead or "
+        "hung rank ends the job after this long instead of holding every GPU (torch's default for NCCL: 600).",
+    )
+    group.add_argument(
+        "--data_preparation_timeout",
+        type=_positive_int,
+        default=12 * 3600,
+        help="Seconds the other ranks wait for rank 0 to download and tokenise the data (and load the model) "
+        "before they give up; separate from --ddp_timeout, so a large dataset does not kill the job.",
+    )
+
+
 def _steps_or_epoch(text):
     if text == "epoch":
         return text
@@ -332,6 +349,8 @@ def build_train_parser() -> ArgumentParser:
         "files its ranks need to resume. On a shared file system the nodes would overwrite each other.",
     )
 
+    _add_timeout_arguments(parser.add_argument_group("distributed"))
+
     logging = parser.add_argument_group("logging")
     logging.add_argument(
         "--logging_steps", type=_positive_int, default=10, help="Log loss and throughput every N steps."
@@ -385,6 +404,7 @@ def build_eval_parser() -> ArgumentParser:
         help="Default: the training run's (args.json), else as train.py chooses.",
     )
     run.add_argument("--cpu_threads", type=_positive_int, help="Threads per process on a CPU run; as train.py.")
+    _add_timeout_arguments(run)
     return parser
 
 

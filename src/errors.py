@@ -3,8 +3,9 @@
 import os
 import sys
 from contextlib import contextmanager
+from datetime import timedelta
 
-from accelerate.utils import broadcast_object_list
+import torch.distributed as dist
 
 
 class UserError(Exception):
@@ -12,21 +13,34 @@ class UserError(Exception):
 
 
 @contextmanager
-def main_process_first(accelerator):
+def main_process_first(accelerator, timeout: float | None = None):
     """`accelerator.main_process_first()`, except that a UserError on the main process stops every rank with
-    the same message, instead of leaving the others in a barrier that fails with a traceback."""
+    the same message, instead of leaving the others in a barrier that fails with a traceback.
+
+    `timeout` (seconds, --data_preparation_timeout): how long the other ranks may wait for the main process, which
+    may download and tokenise a large dataset for hours. They wait on a gloo group of their own with that timeout,
+    so that the run's process group keeps its short one (--ddp_timeout) for the training collectives, where a long
+    wait means a dead or hung rank. Without it they wait on the run's group.
+    """
     if accelerator.num_processes == 1:
         yield
         return
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if timeout else None
+
+    def from_main_process(message):
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+
     if accelerator.is_main_process:
         try:
             yield
         except UserError as err:
-            broadcast_object_list([str(err)], from_process=0)
+            from_main_process(str(err))
             raise
-        broadcast_object_list([None], from_process=0)
+        from_main_process(None)
     else:
-        message = broadcast_object_list([None], from_process=0)[0]  # waits for the main process
+        message = from_main_process(None)  # waits for the main process
         if message is not None:
             raise UserError(message)
         yield

@@ -6,7 +6,10 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, launch, load_script, run_process, sentiment_rows, train_args, write_rows
+from accelerate import PartialState
+from conftest import REPO, free_port, launch, load_script, run_process, sentiment_rows, train_args, write_rows
+
+from src.errors import main_process_first
 
 train = load_script("train")
 evaluate_script = load_script("evaluate")
@@ -133,3 +136,50 @@ def test_an_error_on_one_rank_only_stops_every_rank_promptly(two_rank_run, tmp_p
     errors = [line for line in result.stderr.splitlines() if " error: " in line]
     assert len(errors) == 1 and errors[0].startswith("[rank 1] error: checkpoint ") and "cannot be loaded" in errors[0]
     assert "Running training" not in result.stdout + result.stderr, "no rank went on to train"
+
+
+def prepare_slowly_then_train(folder, data_timeout):
+    """Rank 0 prepares the data for 4 s while the run's collectives time out after 2 s; then one collective."""
+    import datetime
+
+    import torch.distributed as dist
+
+    state = PartialState(cpu=True, timeout=datetime.timedelta(seconds=2))
+    with main_process_first(state, data_timeout):
+        if state.is_main_process:
+            time.sleep(4)
+    dist.barrier()  # a training collective, on the run's own group
+    (folder / f"rank-{state.process_index}").write_text("done")
+
+
+@pytest.mark.parametrize("data_timeout", [60, None], ids=["own timeout", "the run's timeout"])
+def test_the_wait_for_data_preparation_outlasts_the_training_timeout(tmp_path, data_timeout):
+    """--data_preparation_timeout: the ranks waiting for rank 0's data wait on a group with their own, longer
+    timeout; on the run's group (--ddp_timeout, 2 s here) the same wait fails. Two forked gloo processes, started
+    by notebook_launcher, whose ranks create their process group themselves (debug_launcher's has its own timeout)."""
+    from accelerate import notebook_launcher
+
+    def start():
+        notebook_launcher(prepare_slowly_then_train, (tmp_path, data_timeout), num_processes=2, use_port=free_port())
+
+    if data_timeout is None:
+        with pytest.raises(Exception, match="(?i)timed out|connection closed"):
+            start()
+    else:
+        start()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0", "rank-1"]
+
+
+def test_the_timeouts_reach_the_process_group(monkeypatch, tiny_model, tmp_path):
+    """--ddp_timeout sets the timeout of train.py's process group; the data wait has its own, of hours."""
+    import datetime
+
+    seen = []
+    monkeypatch.setattr(
+        train, "PartialState", lambda **kwargs: seen.append(kwargs["timeout"]) or PartialState(cpu=True)
+    )
+    args = train.parse_train_args(["--model_name_or_path", str(tiny_model), "--ddp_timeout", "77",
+                                   "--mixed_precision", "no", "--output_dir", str(tmp_path)])  # fmt: skip
+    assert (args.ddp_timeout, args.data_preparation_timeout) == (77, 12 * 3600)
+    train.build_accelerator(args, None)
+    assert seen == [datetime.timedelta(seconds=77)]
