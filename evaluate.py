@@ -26,6 +26,7 @@ from src.data import (
     glue_labels,
     load_file,
     load_hub_dataset,
+    padding_options,
     pick_split,
     tokenize,
 )
@@ -33,7 +34,7 @@ from src.errors import UserError, main_process_first, run_cli
 from src.evaluation import evaluate
 from src.model import load_model, load_tokenizer, resolve_max_length
 from src.reporting import plot_confusion_matrix, plot_regression, setup_logging, write_json
-from src.runtime import resolve_mixed_precision, set_cpu_threads
+from src.runtime import refuse_fsdp_without_gpus, resolve_mixed_precision, set_cpu_threads
 from src.task import task_of_config
 
 logger = get_logger(__name__)
@@ -72,6 +73,7 @@ def load_split(args) -> Dataset:
 
 
 def main(args):
+    refuse_fsdp_without_gpus()
     trained = training_settings(args.model_name_or_path)
     on_cpu = not torch.accelerator.is_available()
     # The training run's precision, unless told otherwise, so that its final metrics are reproduced.
@@ -109,7 +111,10 @@ def main(args):
         args.max_length = resolve_max_length(args.max_length or trained.get("max_length"), tokenizer, model.config)
         dataset = tokenize(data, tokenizer, (text_column, pair_column, label_column), args.max_length, task)
 
-    dataloader = accelerator.prepare(build_eval_dataloader(dataset, tokenizer, args.per_device_eval_batch_size))
+    padding = padding_options(accelerator.device)  # as train.py pads
+    dataloader = accelerator.prepare(
+        build_eval_dataloader(dataset, tokenizer, args.per_device_eval_batch_size, **padding)
+    )
     model = accelerator.prepare_model(model, evaluation_mode=True)  # no DDP wrapper: nothing to synchronise
     logger.info(
         f"Evaluating {args.model_name_or_path} on {len(dataset)} examples with {accelerator.num_processes} "

@@ -134,3 +134,25 @@ def test_an_error_on_one_rank_only_stops_every_rank_promptly(two_rank_run, tmp_p
     errors = [line for line in result.stderr.splitlines() if " error: " in line]
     assert len(errors) == 1 and errors[0].startswith("[rank 1] error: checkpoint ") and "cannot be loaded" in errors[0]
     assert "Running training" not in result.stdout + result.stderr, "no rank went on to train"
+
+
+@pytest.mark.parametrize("script", ["train", "evaluate"])
+def test_fsdp_on_a_machine_without_gpus_is_refused_before_anything_is_written(script, tmp_path, tiny_model, tiny_data,
+                                                                              monkeypatch):  # fmt: skip
+    """accelerate shards with FSDP only on GPUs: on CPUs the run would train and evaluate as plain DDP, and say
+    nothing. `accelerate launch --config_file accelerate_configs/fsdp.yaml` tells the ranks by ACCELERATE_USE_FSDP."""
+    import torch
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)  # this machine's case, wherever it runs
+    out = tmp_path / "out"
+    if script == "train":
+        args = train.parse_train_args(train_args(tiny_model, *tiny_data, out, "--max_train_steps", "1"))
+    else:
+        unlabelled = write_rows(tmp_path / "test.csv", [{"sentence": r["sentence"]} for r in sentiment_rows(5)])
+        args = evaluate_script.parse_eval_args(["--model_name_or_path", str(tiny_model), "--validation_file",
+                                                str(unlabelled), "--output_dir", str(out)])  # fmt: skip
+    module = train if script == "train" else evaluate_script
+    with pytest.raises(module.UserError, match=r"needs GPUs.*--config_file accelerate_configs/cpu\.yaml instead$"):
+        module.main(args)
+    assert not out.exists()
