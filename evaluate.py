@@ -27,6 +27,7 @@ from src.data import (
     glue_labels,
     load_file,
     load_hub_dataset,
+    padding_options,
     pick_split,
     tokenize,
 )
@@ -35,7 +36,7 @@ from src.evaluation import evaluate
 from src.model import load_model, load_tokenizer, resolve_max_length
 from src.precision import choose_precision
 from src.reporting import plot_confusion_matrix, plot_regression, setup_logging, write_json
-from src.runtime import set_cpu_threads
+from src.runtime import refuse_fsdp_without_gpus, set_cpu_threads
 from src.task import task_of_config
 
 logger = get_logger(__name__)
@@ -74,12 +75,13 @@ def load_split(args) -> Dataset:
 
 
 def main(args):
+    refuse_fsdp_without_gpus()
     trained = training_settings(args.model_name_or_path)
     on_cpu = not torch.accelerator.is_available()
-    # The training run's precision, unless told otherwise, so that its final metrics are reproduced.
     PartialState(cpu=on_cpu, timeout=timedelta(seconds=args.ddp_timeout))
     if on_cpu:
         set_cpu_threads(args.cpu_threads)
+    # The training run's precision, unless told otherwise, so that its final metrics are reproduced.
     precision, why = choose_precision(args.mixed_precision, on_cpu, trained.get("mixed_precision"))
     accelerator = Accelerator(cpu=on_cpu, mixed_precision=precision)
     setup_logging()
@@ -113,7 +115,10 @@ def main(args):
         args.max_length = resolve_max_length(args.max_length or trained.get("max_length"), tokenizer, model.config)
         dataset = tokenize(data, tokenizer, (text_column, pair_column, label_column), args.max_length, task)
 
-    dataloader = accelerator.prepare(build_eval_dataloader(dataset, tokenizer, args.per_device_eval_batch_size))
+    padding = padding_options(accelerator.device)  # as train.py pads
+    dataloader = accelerator.prepare(
+        build_eval_dataloader(dataset, tokenizer, args.per_device_eval_batch_size, **padding)
+    )
     model = accelerator.prepare_model(model, evaluation_mode=True)  # no DDP wrapper: nothing to synchronise
     logger.info(
         f"Evaluating {args.model_name_or_path} on {len(dataset)} examples with {accelerator.num_processes} "

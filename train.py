@@ -32,7 +32,14 @@ from src.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from src.data import build_eval_dataloader, build_train_dataloader, detect_columns, load_raw_splits, tokenize
+from src.data import (
+    build_eval_dataloader,
+    build_train_dataloader,
+    detect_columns,
+    load_raw_splits,
+    padding_options,
+    tokenize,
+)
 from src.errors import UserError, main_process_first, run_cli
 from src.evaluation import evaluate, evaluate_more
 from src.hub import check_hub_access, push_to_hub, write_model_card
@@ -57,7 +64,7 @@ from src.reporting import (
     tracker_run_name,
     write_json,
 )
-from src.runtime import StopSignals, StopVote, set_cpu_threads
+from src.runtime import StopSignals, StopVote, refuse_fsdp_without_gpus, set_cpu_threads
 from src.task import detect_task
 
 logger = get_logger(__name__)
@@ -119,10 +126,7 @@ def load_data_and_model(args, accelerator):
 def build_dataloaders(args, accelerator, model, splits, tokenizer, task, resume_path):
     """The training loader (its batch size fitted to memory first, if asked) and one evaluation loader per
     validation split (MNLI has two), before prepare() shards them."""
-    padding = {
-        "pad_to_multiple_of": 8 if accelerator.device.type == "cuda" else None,  # tensor cores want multiples of 8
-        "pad_to_length": args.max_length if args.pad_to_max_length else None,
-    }
+    padding = padding_options(accelerator.device, args.max_length if args.pad_to_max_length else None)
     if args.auto_find_batch_size:
         fit_batch_size(args, accelerator, model, splits["train"], tokenizer, task, resume_path, padding)
     train_dataloader = build_train_dataloader(
@@ -138,6 +142,7 @@ def build_dataloaders(args, accelerator, model, splits, tokenizer, task, resume_
 
 
 def main(args):
+    refuse_fsdp_without_gpus()
     check_output_dir(args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
     resume = args.resume_from_checkpoint
     resume_path = resolve_checkpoint(resume, args.output_dir) if resume else None
@@ -321,7 +326,8 @@ def train_loop(
             window.add(loss, batch)
             if not accelerator.sync_gradients:
                 continue
-            lr_scheduler.step()
+            if not accelerator.optimizer_step_was_skipped:  # fp16's scaler skips updates whose gradients overflowed
+                lr_scheduler.step()
             state.update(global_step=state["global_step"] + 1, epoch=epoch, batches_in_epoch=batch_in_epoch)
             step = state["global_step"]
             progress.update(1)

@@ -279,6 +279,12 @@ def lengths_of(dataset: Dataset) -> np.ndarray:
     return dataset.with_format("numpy")[LENGTH_COLUMN][:]
 
 
+def padding_options(device: torch.device, pad_to_length: int | None = None) -> dict:
+    """The collator's options, the same in training and evaluation (train.py and evaluate.py): multiples of 8 on CUDA,
+    which tensor cores want, or every batch to `pad_to_length` (--pad_to_max_length) for fixed shapes."""
+    return {"pad_to_multiple_of": 8 if device.type == "cuda" else None, "pad_to_length": pad_to_length}
+
+
 def build_collator(tokenizer, pad_to_multiple_of=None, pad_to_length=None) -> DataCollatorWithPadding:
     """Pads each batch to its longest example, or to `pad_to_length` (--pad_to_max_length) for fixed shapes."""
     if pad_to_length:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from src.errors import UserError
+
 # The variables by which launchers tell a rank how many ranks share its machine: torchrun and accelerate,
 # MPI, accelerate's notebook_launcher. WORLD_SIZE comes last (debug_launcher sets nothing else): it assumes
 # every rank is on this machine, which at worst gives each fewer threads.
@@ -77,6 +79,17 @@ def set_cpu_threads(requested: int | None) -> int:
     threads = requested or threads_chosen_by_user() or max(1, physical_cores() // local_world_size())
     torch.set_num_threads(threads)
     return threads
+
+
+def refuse_fsdp_without_gpus():
+    """accelerate shards with FSDP only on GPUs (and other accelerators): launched with an FSDP config on CPUs, it
+    runs plain DDP and says nothing. `accelerate launch` tells each rank of an FSDP config by ACCELERATE_USE_FSDP,
+    which Accelerator reads as below. A named function, for tests that mean to run FSDP's code paths on CPUs."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not torch.accelerator.is_available():
+        raise UserError(
+            "accelerate_configs/fsdp.yaml (FSDP) needs GPUs and this machine has none (accelerate would quietly run "
+            "without sharding): launch with --config_file accelerate_configs/cpu.yaml instead"
+        )
 
 
 # SIGTERM: SLURM, Kubernetes, systemd and `docker stop`; SIGINT: Ctrl-C; SIGHUP: a closed terminal;

@@ -183,3 +183,25 @@ def test_the_timeouts_reach_the_process_group(monkeypatch, tiny_model, tmp_path)
     assert (args.ddp_timeout, args.data_preparation_timeout) == (77, 12 * 3600)
     train.build_accelerator(args, None)
     assert seen == [datetime.timedelta(seconds=77)]
+
+
+@pytest.mark.parametrize("script", ["train", "evaluate"])
+def test_fsdp_on_a_machine_without_gpus_is_refused_before_anything_is_written(script, tmp_path, tiny_model, tiny_data,
+                                                                              monkeypatch):  # fmt: skip
+    """accelerate shards with FSDP only on GPUs: on CPUs the run would train and evaluate as plain DDP, and say
+    nothing. `accelerate launch --config_file accelerate_configs/fsdp.yaml` tells the ranks by ACCELERATE_USE_FSDP."""
+    import torch
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)  # this machine's case, wherever it runs
+    out = tmp_path / "out"
+    if script == "train":
+        args = train.parse_train_args(train_args(tiny_model, *tiny_data, out, "--max_train_steps", "1"))
+    else:
+        unlabelled = write_rows(tmp_path / "test.csv", [{"sentence": r["sentence"]} for r in sentiment_rows(5)])
+        args = evaluate_script.parse_eval_args(["--model_name_or_path", str(tiny_model), "--validation_file",
+                                                str(unlabelled), "--output_dir", str(out)])  # fmt: skip
+    module = train if script == "train" else evaluate_script
+    with pytest.raises(module.UserError, match=r"needs GPUs.*--config_file accelerate_configs/cpu\.yaml instead$"):
+        module.main(args)
+    assert not out.exists()

@@ -29,7 +29,7 @@ from transformers.pytorch_utils import Conv1D
 from src.args import build_train_parser, parse_args, validate_train_args
 from src.batch_size import fit_batch_size, next_smaller
 from src.errors import UserError
-from src.model import build_model, head_modules, load_model, load_tokenizer, resolve_max_length
+from src.model import build_model, head_modules, load_model, load_tokenizer, resolve_max_length, save_model
 from src.task import SINGLE_LABEL, Task
 
 train = load_script("train")
@@ -130,6 +130,24 @@ def test_a_text_gets_the_same_logits_alone_and_padded_in_a_batch(tiny_decoders, 
     assert saved.config.pad_token_id == saved_tokenizer.pad_token_id
     assert saved.config.id2label == {0: "negative", 1: "positive"}
     assert_same_logits(*logits_alone_and_in_a_batch(saved, saved_tokenizer))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_decoders_keep_no_kv_cache_and_save_the_config_they_came_with(tiny_decoders, tmp_path, lora):
+    """A classifier never generates: the keys and values of every layer kept at each forward pass would only cost
+    memory, in training and evaluation alike. The saved config.json keeps the base's use_cache, for generation."""
+    for layout, folder in tiny_decoders.items():
+        model, tokenizer = built(folder, *(["--use_peft"] if lora else []))  # as train.py builds it
+        assert model.config.use_cache is False, layout
+        with torch.no_grad():
+            assert model(**tokenizer(TEXTS, padding=True, return_tensors="pt")).past_key_values is None, layout
+        for merge in (False, True) if lora else (False,):
+            out = tmp_path / f"{layout}-{merge}"
+            out.mkdir()  # as train.py made it
+            save_model(Accelerator(cpu=True), model, out, merge_lora=merge)
+            assert json.loads((out / "config.json").read_text())["use_cache"] is True, (layout, merge)
+            loaded = load_model(str(out), pad_token_id=tokenizer.pad_token_id)  # as evaluate.py loads it
+            assert loaded.config.use_cache is False, (layout, merge)
 
 
 # --- LoRA -------------------------------------------------------------------------------------------------------

@@ -182,6 +182,50 @@ def test_evaluate_script_writes_results_predictions_and_picture(trained_tiny_mod
     assert pictures == [counts] and sum(map(sum, counts)) == 37
 
 
+def test_evaluate_pads_batches_as_train_does(tiny_model, tmp_path, monkeypatch):
+    """Multiples of 8 on CUDA (for tensor cores), in both scripts, from one helper. No GPU here: the helper is asked
+    about this machine's device and answers as on CUDA; every batch either script builds then comes out so."""
+    from types import SimpleNamespace
+
+    from src.data import padding_options, tokenize
+    from src.model import load_tokenizer
+    from src.task import SINGLE_LABEL, Task
+
+    assert padding_options(torch.device("cuda")) == {"pad_to_multiple_of": 8, "pad_to_length": None}
+    assert padding_options(torch.device("cpu"), 64) == {"pad_to_multiple_of": None, "pad_to_length": 64}
+    asked, widths = [], []
+
+    def as_on_cuda(device, *rest):
+        asked.append(device.type)
+        return padding_options(torch.device("cuda"), *rest)
+
+    rows = sentiment_rows(13)
+    tokenizer = load_tokenizer(str(tiny_model))
+    dataset = tokenize(Dataset.from_list(rows), tokenizer, ("sentence", None, "label"), 64,
+                       Task(SINGLE_LABEL, ("negative", "positive")))  # fmt: skip
+    monkeypatch.setattr(train, "padding_options", as_on_cuda)
+    batching = {"per_device_train_batch_size": 4, "per_device_eval_batch_size": 4, "group_by_length": True}
+    args = SimpleNamespace(max_length=64, pad_to_max_length=False, auto_find_batch_size=False, seed=0, **batching)
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1, gradient_accumulation_steps=1)
+    loaders = train.build_dataloaders(args, accelerator, None, {"train": dataset, "validation": dataset}, tokenizer,
+                                      None, None)  # fmt: skip
+    widths += [batch["input_ids"].shape[1] for loader in (loaders[0], *loaders[1].values()) for batch in loader]
+
+    monkeypatch.setattr(evaluate_script, "padding_options", as_on_cuda)
+    evaluate = evaluate_script.evaluate
+
+    def evaluating(model, dataloader, *rest):
+        widths.extend(batch["input_ids"].shape[1] for batch in dataloader)
+        return evaluate(model, dataloader, *rest)
+
+    monkeypatch.setattr(evaluate_script, "evaluate", evaluating)
+    unlabelled = write_rows(tmp_path / "test.csv", [{"sentence": r["sentence"]} for r in rows])
+    run_evaluate("--model_name_or_path", tiny_model, "--validation_file", unlabelled, "--per_device_eval_batch_size",
+                 "4", "--output_dir", tmp_path / "eval")  # fmt: skip
+    assert asked == ["cpu", "cpu"] and len(widths) == 4 + 4 + 4
+    assert all(width % 8 == 0 for width in widths), widths
+
+
 def test_evaluate_without_labels_writes_predictions_only(trained_tiny_model, tmp_path):
     rows = sentiment_rows(5)
     unlabelled = write_rows(tmp_path / "test.csv", [{"sentence": r["sentence"]} for r in rows])

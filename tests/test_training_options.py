@@ -66,6 +66,23 @@ def test_max_train_steps_and_the_learning_rate_schedule(tiny_model_no_dropout, t
     assert [r["learning_rate"] for r in logged] == pytest.approx([rate(s) for s in range(1, 11)], abs=1e-12)
 
 
+def test_the_schedule_waits_out_an_update_the_gradient_scaler_skipped(tiny_model_no_dropout, tiny_data, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    """fp16's gradient scaler skips the update of a step whose gradients overflowed: the learning rate moves on only
+    with real updates. No GPU here: the optimizer reports its 2nd step skipped."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    steps, step = [], AcceleratedOptimizer.step
+    monkeypatch.setattr(AcceleratedOptimizer, "step", lambda self, *args: steps.append(1) or step(self, *args))
+    monkeypatch.setattr(AcceleratedOptimizer, "step_was_skipped", property(lambda self: len(steps) == 2))
+    out = tmp_path / "out"
+    run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, out, "--max_train_steps", "4",
+                                       "--num_warmup_steps", "0", "--lr_scheduler_type", "linear",
+                                       "--logging_steps", "1"))  # fmt: skip
+    logged = [r["learning_rate"] for r in records(out) if "learning_rate" in r]
+    assert logged == pytest.approx([1e-3 * 3 / 4, 1e-3 * 3 / 4, 1e-3 * 2 / 4, 1e-3 * 1 / 4], abs=1e-12)
+
+
 def test_a_warmup_as_long_as_the_run_is_refused_before_anything_is_written(tiny_model_no_dropout, tiny_data, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(train.UserError, match="--num_warmup_steps 10 is not less than the run's 10 optimizer steps"):
