@@ -200,7 +200,8 @@ def build_train_parser() -> ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="Before training, try --per_device_train_batch_size on the longest examples and halve it until it fits "
-        "in memory, raising --gradient_accumulation_steps to keep the total batch. Not under FSDP or DeepSpeed.",
+        "in memory, raising --gradient_accumulation_steps to keep the total batch; then halve "
+        "--per_device_eval_batch_size until evaluation fits too. Not under FSDP or DeepSpeed.",
     )
     _add_remote_code_argument(model)
     model.add_argument(

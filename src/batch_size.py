@@ -1,5 +1,6 @@
 """--auto_find_batch_size: the largest per-device batch, up to the one asked for, whose worst case fits in memory,
-with gradient accumulation raised so that the total batch stays the one asked for.
+with gradient accumulation raised so that the total batch stays the one asked for; and the largest evaluation
+batch, up to --per_device_eval_batch_size, that fits beside the training state.
 
 Each rank probes on its own, before `prepare()`: one forward and backward pass on the longest training examples,
 outside any DDP gradient synchronisation, so a rank that runs out of memory leaves no other rank waiting in an
@@ -63,6 +64,51 @@ def fit_batch_size(args, accelerator, model, dataset, tokenizer, task, resume_pa
         return
     _use(args, accelerator, size, accumulation * (requested // size),
          f"{requested} examples of up to {longest} tokens per device do not fit in memory")  # fmt: skip
+
+
+def fit_eval_batch_size(args, accelerator, model, dataset, tokenizer, padding=None):
+    """Set --per_device_eval_batch_size to the largest size, up to the one asked for, whose forward pass on the
+    longest validation examples fits beside what training keeps in memory (AdamW's two moments per trainable
+    weight): evaluation runs between training steps, and a decoder LLM that trains fine can run out of memory
+    at its first evaluation. Halving only: the evaluation batch has no accumulation to make up for it."""
+    requested = size = args.per_device_eval_batch_size
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    model.to(accelerator.device)  # where prepare() would put it
+    while size and not _forward_fits(model, _longest_batch(dataset, tokenizer, size, padding or {}), accelerator,
+                                     trainable):  # fmt: skip
+        clear_device_cache(garbage_collection=True)
+        size //= 2
+    size = int(accelerator.gather(torch.tensor([size], device=accelerator.device)).min())  # every rank, same size
+    longest = int(lengths_of(dataset).max())
+    if size == 0:
+        raise UserError(
+            f"--auto_find_batch_size: even 1 validation example of {longest} tokens per device runs out of memory "
+            "in evaluation; lower --max_length or use FSDP to shard the model"
+        )
+    if size < requested:
+        logger.warning(
+            f"--auto_find_batch_size: {requested} validation examples of up to {longest} tokens per device do not fit "
+            f"in memory; evaluating with --per_device_eval_batch_size {size}"
+        )
+        args.per_device_eval_batch_size = size
+
+
+def _forward_fits(model, batch, accelerator, trainable: int) -> bool:
+    """One evaluation step's memory on `batch`, beside AdamW's moments."""
+    batch = {key: value.to(accelerator.device) for key, value in batch.items() if key != "labels"}
+    model.eval()
+    try:
+        reserved = torch.empty(2 * trainable, dtype=torch.float32, device=accelerator.device)
+        with torch.no_grad(), accelerator.autocast():
+            model(**batch)
+        del reserved
+        return True
+    except Exception as err:  # only out-of-memory errors mean "smaller"; anything else is a real failure
+        if not should_reduce_batch_size(err):
+            raise
+        return False
+    finally:
+        model.train()
 
 
 def _use(args, accelerator, size, accumulation, why):

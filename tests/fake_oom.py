@@ -15,15 +15,17 @@ import torch
 from transformers import PreTrainedModel
 
 
-def out_of_memory_above(max_rows: int):
-    """A `__call__` for transformers models that runs out of "memory" on a training batch of more than `max_rows`."""
+def out_of_memory_above(max_rows: int, max_eval_rows: int | None = None):
+    """A `__call__` for transformers models that runs out of "memory" on a training batch of more than `max_rows`
+    (and, if given, on an evaluation batch, without gradients, of more than `max_eval_rows`)."""
     call = torch.nn.Module.__call__
 
     def call_or_run_out(self, *args, **kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if torch.is_grad_enabled() and input_ids is not None and input_ids.shape[0] > max_rows:
+        limit = max_rows if torch.is_grad_enabled() else max_eval_rows
+        if limit is not None and input_ids is not None and input_ids.shape[0] > limit:
             print(f"rank {os.environ.get('RANK', 0)}: simulated out of memory", file=sys.stderr, flush=True)
-            raise torch.OutOfMemoryError(f"CUDA out of memory. (simulated for more than {max_rows} rows)")
+            raise torch.OutOfMemoryError(f"CUDA out of memory. (simulated for more than {limit} rows)")
         return call(self, *args, **kwargs)
 
     return call_or_run_out

@@ -354,6 +354,21 @@ def test_auto_batch_size_backs_off_keeps_the_total_and_its_size_on_resume(
     assert all(torch.equal(a[k], c[k]) for k in a)
 
 
+def test_auto_batch_size_also_fits_the_evaluation_batch(tiny_model, data, tmp_path, monkeypatch, caplog):
+    """Training fits 8 rows, evaluation (without gradients, beside AdamW's moments) only 3: the evaluation batch
+    is halved from 8 to 2, said in the log, saved in args.json, and the run evaluates as if asked for 2."""
+    monkeypatch.setattr(PreTrainedModel, "__call__", out_of_memory_above(8, max_eval_rows=3), raising=False)
+    auto = run_train(*train_args(tiny_model, *data, tmp_path / "auto", "--max_train_steps", "2",
+                                 "--auto_find_batch_size"))  # fmt: skip
+    assert "8 validation examples of up to" in caplog.text and "--per_device_eval_batch_size 2" in caplog.text
+    saved = json.loads((tmp_path / "auto" / "args.json").read_text())
+    assert (saved["per_device_train_batch_size"], saved["per_device_eval_batch_size"]) == (8, 2)
+    monkeypatch.undo()
+    explicit = run_train(*train_args(tiny_model, *data, tmp_path / "explicit", "--max_train_steps", "2",
+                                     "--per_device_eval_batch_size", "2"))  # fmt: skip
+    assert auto["eval_loss"] == explicit["eval_loss"] and auto["eval_accuracy"] == explicit["eval_accuracy"]
+
+
 def test_auto_batch_size_refusals(tiny_model, data, tmp_path, monkeypatch):
     monkeypatch.setattr(PreTrainedModel, "__call__", out_of_memory_above(0), raising=False)
     with pytest.raises(UserError, match="--auto_find_batch_size: even 1 example of \\d+ tokens per device runs out"):
