@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from src.args import build_train_parser, parse_args, validate_train_args
-from src.batch_size import fit_batch_size, fit_eval_batch_size
+from src.batch_size import fit_batch_sizes
 from src.checkpoint import (
     check_output_dir,
     load_checkpoint,
@@ -128,8 +128,7 @@ def build_dataloaders(args, accelerator, model, splits, tokenizer, task, resume_
     validation split (MNLI has two), before prepare() shards them."""
     padding = padding_options(accelerator.device, args.max_length if args.pad_to_max_length else None)
     if args.auto_find_batch_size:
-        fit_batch_size(args, accelerator, model, splits["train"], tokenizer, task, resume_path, padding)
-        fit_eval_batch_size(args, accelerator, model, splits["validation"], tokenizer, padding)
+        fit_batch_sizes(args, accelerator, model, splits, tokenizer, task, resume_path, padding)
     train_dataloader = build_train_dataloader(
         splits["train"], tokenizer, args.per_device_train_batch_size, accelerator.num_processes, args.seed,
         args.group_by_length, accumulation=accelerator.gradient_accumulation_steps, **padding,

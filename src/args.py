@@ -109,17 +109,24 @@ def _add_multi_label_threshold_argument(group, default, help_default):
     )
 
 
+def _seconds(text):
+    value = _positive_int(text)
+    if value > 30 * 24 * 3600:  # also what a timedelta, and gloo's and NCCL's millisecond counts, can hold
+        raise argparse.ArgumentTypeError(f"must be at most 30 days (2592000 seconds), got {text}")
+    return value
+
+
 def _add_timeout_arguments(group):
     group.add_argument(
         "--ddp_timeout",
-        type=_positive_int,
+        type=_seconds,
         default=1800,
         help="Seconds a rank waits in a collective (gradients, metrics, barriers) before the run fails: a dead or "
         "hung rank ends the job after this long instead of holding every GPU (torch's default for NCCL: 600).",
     )
     group.add_argument(
         "--data_preparation_timeout",
-        type=_positive_int,
+        type=_seconds,
         default=12 * 3600,
         help="Seconds the other ranks wait for rank 0 to download and tokenise the data (and load the model) "
         "before they give up; separate from --ddp_timeout, so a large dataset does not kill the job.",

@@ -8,7 +8,6 @@ all-reduce. The ranks then take the smallest size any of them found. FSDP and De
 `prepare()`: there is no safe probe before it, and one inside would run out of memory within their collectives.
 """
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +16,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
-from src.checkpoint import STATE_FILE
+from src.checkpoint import read_checkpoint_args
 from src.data import INDEX_COLUMN, LENGTH_COLUMN, build_collator, lengths_of
 from src.errors import UserError
 
@@ -30,16 +29,11 @@ def next_smaller(size: int, requested: int) -> int:
     return max((d for d in range(1, size // 2 + 1) if requested % d == 0), default=0)
 
 
-def fit_batch_size(args, accelerator, model, dataset, tokenizer, task, resume_path=None, padding=None):
+def fit_batch_sizes(args, accelerator, model, splits, tokenizer, task, resume_path=None, padding=None):
     """Set --per_device_train_batch_size to the largest size that fits on every rank (and --gradient_accumulation_steps
-    to keep the total batch); a resumed run keeps the sizes its checkpoint was made with. `padding`: the
-    collator's options (`pad_to_multiple_of`, `pad_to_length`), as training will pad."""
-    requested, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    if resume_path is not None:
-        found = _sizes_of_checkpoint(resume_path)
-        if found and found[0] * found[1] == requested * accumulation:
-            _use(args, accelerator, *found, f"the batch size found when the run started (checkpoint {resume_path})")
-        return  # different totals: the checkpoint's settings check names them
+    to keep the total batch), then --per_device_eval_batch_size likewise; a resumed run keeps the training sizes its
+    checkpoint was made with. `splits`: 'train' and 'validation'; `padding`: the collator's options
+    (`pad_to_multiple_of`, `pad_to_length`), as the loaders will pad."""
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise UserError(
             f"--auto_find_batch_size cannot probe memory under {accelerator.distributed_type.value}, which shards the "
@@ -47,12 +41,26 @@ def fit_batch_size(args, accelerator, model, dataset, tokenizer, task, resume_pa
         )
     model.to(accelerator.device)  # where prepare() would put it
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    size = requested
-    while size and not _fits(model, _longest_batch(dataset, tokenizer, size, padding or {}), task, accelerator,
-                             trainable):  # fmt: skip
-        clear_device_cache(garbage_collection=True)  # the failed attempt's tensors, freed with its traceback
-        size = next_smaller(size, requested)
-    size = int(accelerator.gather(torch.tensor([size], device=accelerator.device)).min())  # every rank, same size
+    _fit_train_batch_size(args, accelerator, model, splits["train"], tokenizer, task, resume_path, padding or {},
+                          trainable)  # fmt: skip
+    _fit_eval_batch_size(args, accelerator, model, splits["validation"], tokenizer, task, padding or {}, trainable)
+
+
+def _fit_train_batch_size(args, accelerator, model, dataset, tokenizer, task, resume_path, padding, trainable):
+    requested, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    if resume_path is not None:
+        found = _sizes_of_checkpoint(resume_path)
+        if found and found[0] * found[1] == requested * accumulation:
+            _use(args, accelerator, *found, f"the batch size found when the run started (checkpoint {resume_path})")
+        return  # different totals: the checkpoint's settings check names them
+    # A training step holds AdamW's two fp32 moments per trainable weight (made at the first real step) and, on
+    # more than one process, DDP's gradient buckets (a copy of the gradients): the probe runs without DDP.
+    reserve = 2 * trainable + (trainable if accelerator.num_processes > 1 else 0)
+
+    def fits(size):
+        return _step_fits(model, _longest_batch(dataset, tokenizer, size, padding), task, accelerator, reserve, True)
+
+    size = _largest_that_fits(accelerator, requested, fits, lambda size: next_smaller(size, requested))
     longest = int(lengths_of(dataset).max())
     if size == 0:
         raise UserError(
@@ -66,19 +74,16 @@ def fit_batch_size(args, accelerator, model, dataset, tokenizer, task, resume_pa
          f"{requested} examples of up to {longest} tokens per device do not fit in memory")  # fmt: skip
 
 
-def fit_eval_batch_size(args, accelerator, model, dataset, tokenizer, padding=None):
-    """Set --per_device_eval_batch_size to the largest size, up to the one asked for, whose forward pass on the
-    longest validation examples fits beside what training keeps in memory (AdamW's two moments per trainable
-    weight): evaluation runs between training steps, and a decoder LLM that trains fine can run out of memory
-    at its first evaluation. Halving only: the evaluation batch has no accumulation to make up for it."""
-    requested = size = args.per_device_eval_batch_size
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    model.to(accelerator.device)  # where prepare() would put it
-    while size and not _forward_fits(model, _longest_batch(dataset, tokenizer, size, padding or {}), accelerator,
-                                     trainable):  # fmt: skip
-        clear_device_cache(garbage_collection=True)
-        size //= 2
-    size = int(accelerator.gather(torch.tensor([size], device=accelerator.device)).min())  # every rank, same size
+def _fit_eval_batch_size(args, accelerator, model, dataset, tokenizer, task, padding, trainable):
+    """Evaluation runs between training steps, beside AdamW's moments: a decoder LLM that trains fine can run out of
+    memory at its first evaluation. Halving only: the evaluation batch has no accumulation to make up for it."""
+    requested = args.per_device_eval_batch_size
+
+    def fits(size):
+        batch = _longest_batch(dataset, tokenizer, size, padding)
+        return _step_fits(model, batch, task, accelerator, 2 * trainable, False)
+
+    size = _largest_that_fits(accelerator, requested, fits, lambda size: size // 2)
     longest = int(lengths_of(dataset).max())
     if size == 0:
         raise UserError(
@@ -93,22 +98,13 @@ def fit_eval_batch_size(args, accelerator, model, dataset, tokenizer, padding=No
         args.per_device_eval_batch_size = size
 
 
-def _forward_fits(model, batch, accelerator, trainable: int) -> bool:
-    """One evaluation step's memory on `batch`, beside AdamW's moments."""
-    batch = {key: value.to(accelerator.device) for key, value in batch.items() if key != "labels"}
-    model.eval()
-    try:
-        reserved = torch.empty(2 * trainable, dtype=torch.float32, device=accelerator.device)
-        with torch.no_grad(), accelerator.autocast():
-            model(**batch)
-        del reserved
-        return True
-    except Exception as err:  # only out-of-memory errors mean "smaller"; anything else is a real failure
-        if not should_reduce_batch_size(err):
-            raise
-        return False
-    finally:
-        model.train()
+def _largest_that_fits(accelerator, size: int, fits, smaller) -> int:
+    """From `size` down (`smaller(size)` next), the first size that `fits` on this rank; then the smallest any rank
+    found, so that all ranks take the same. 0 if not even 1 fits."""
+    while size and not fits(size):
+        clear_device_cache(garbage_collection=True)  # the failed attempt's tensors, freed with its traceback
+        size = smaller(size)
+    return int(accelerator.gather(torch.tensor([size], device=accelerator.device)).min())
 
 
 def _use(args, accelerator, size, accumulation, why):
@@ -125,10 +121,10 @@ def _use(args, accelerator, size, accumulation, why):
 
 
 def _sizes_of_checkpoint(path: Path) -> tuple[int, int] | None:
+    saved = read_checkpoint_args(path)
     try:
-        saved = json.loads((Path(path) / STATE_FILE).read_text())["args"]
         return int(saved["per_device_train_batch_size"]), int(saved["gradient_accumulation_steps"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError, ValueError):
         return None  # loading the checkpoint reports what is wrong with it
 
 
@@ -138,21 +134,21 @@ def _longest_batch(dataset, tokenizer, size, padding: dict) -> dict:
     return build_collator(tokenizer, **padding)([row for row in rows])
 
 
-def _fits(model, batch, task, accelerator, trainable: int) -> bool:
-    """One training step's memory on `batch`: forward, backward, gradients, and AdamW's two fp32 moments per
-    trainable weight (created at the first real step), plus, on more than one process, DDP's gradient buckets (a
-    copy of the gradients). The RNG (dropout) is left as it was."""
+def _step_fits(model, batch, task, accelerator, reserve: int, train: bool) -> bool:
+    """Whether one step on `batch` fits in memory beside `reserve` fp32 values held elsewhere: a training step
+    (forward, backward, gradients) or an evaluation step (forward without gradients), through the same forward and
+    loss as the loop. The RNG (dropout) is left as it was, and the model in training mode without gradients."""
     batch = {key: value.to(accelerator.device) for key, value in batch.items()}
     labels = batch.pop("labels")
     device = accelerator.device
-    model.train()
+    model.train(train)
     try:
         with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
-            buckets = trainable if accelerator.num_processes > 1 else 0  # the probe runs without DDP's wrapper
-            reserved = torch.empty(2 * trainable + buckets, dtype=torch.float32, device=device)
-            with accelerator.autocast():
+            reserved = torch.empty(reserve, dtype=torch.float32, device=device)
+            with torch.set_grad_enabled(train), accelerator.autocast():
                 loss = task.loss(model(**batch).logits, labels)
-            loss.backward()
+            if train:
+                loss.backward()
             del reserved, loss
         return True
     except Exception as err:  # only out-of-memory errors mean "smaller"; anything else is a real failure
@@ -161,3 +157,4 @@ def _fits(model, batch, task, accelerator, trainable: int) -> bool:
         return False
     finally:
         model.zero_grad(set_to_none=True)
+        model.train()

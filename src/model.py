@@ -151,26 +151,12 @@ def load_model(
 
 
 def _without_kv_cache(model):
-    """The model with its KV cache off: a classifier built from a causal LM (Llama, Qwen2, GPT-2) would otherwise keep
-    every layer's keys and values at each forward pass, in training and evaluation, for a generation that never
-    comes. `save_model` saves the checkpoint's own setting back, for whoever generates with the backbone."""
+    """The model with its KV cache off, in its config too (so the saved folder evaluates the same way): a classifier
+    built from a causal LM (Llama, Qwen2, GPT-2) would otherwise keep every layer's keys and values at each forward
+    pass, in training and evaluation, for a generation that a classifier never does."""
     if getattr(model.config, "use_cache", False):
         model.config.use_cache = False
-        model.use_cache_when_saved = True
     return model
-
-
-@contextmanager
-def _use_cache_as_loaded(model):
-    """While saving: the config's use_cache as the checkpoint had it (see `_without_kv_cache`)."""
-    turned_off = getattr(model, "use_cache_when_saved", False)
-    if turned_off:
-        model.config.use_cache = True
-    try:
-        yield
-    finally:
-        if turned_off:
-            model.config.use_cache = False
 
 
 def _load_adapter_folder(folder, dtype, pad_token_id=None, trust_remote_code=False):
@@ -336,23 +322,22 @@ def save_model(accelerator, model, output_dir: Path, merge_lora: bool = False, t
     adapter merged into its weights."""
     state_dict = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed: every rank calls it
     unwrapped = accelerator.unwrap_model(model)
-    with _use_cache_as_loaded(unwrapped):  # put back when saved, off again for any later forward pass
-        if not isinstance(unwrapped, PeftModel):
-            unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
-            return
-        if not accelerator.is_main_process:
-            return
-        base = unwrapped.get_base_model()
-        base.config.architectures = [type(base).__name__]
-        if not merge_lora:
-            unwrapped.save_pretrained(output_dir, state_dict=state_dict)
-            base.config.save_pretrained(output_dir)
-            return
-        # Merged from the saved adapter on a fresh CPU copy of the base: that works the same whatever sharded the
-        # weights in training (FSDP, ZeRO-3), and leaves the GPUs alone.
-        with tempfile.TemporaryDirectory(dir=output_dir) as adapter_dir:
-            unwrapped.save_pretrained(adapter_dir, state_dict=state_dict)
-            base.config.save_pretrained(adapter_dir)
-            backbone_dtype = next(base.base_model.parameters()).dtype  # the frozen weights' (bf16, or fp32)
-            merged = _load_adapter_folder(adapter_dir, backbone_dtype, trust_remote_code=trust_remote_code)
-            merged.merge_and_unload().save_pretrained(output_dir)
+    if not isinstance(unwrapped, PeftModel):
+        unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
+        return
+    if not accelerator.is_main_process:
+        return
+    base = unwrapped.get_base_model()
+    base.config.architectures = [type(base).__name__]
+    if not merge_lora:
+        unwrapped.save_pretrained(output_dir, state_dict=state_dict)
+        base.config.save_pretrained(output_dir)
+        return
+    # Merged from the saved adapter on a fresh CPU copy of the base: that works the same whatever sharded the
+    # weights in training (FSDP, ZeRO-3), and leaves the GPUs alone.
+    with tempfile.TemporaryDirectory(dir=output_dir) as adapter_dir:
+        unwrapped.save_pretrained(adapter_dir, state_dict=state_dict)
+        base.config.save_pretrained(adapter_dir)
+        backbone_dtype = next(base.base_model.parameters()).dtype  # the frozen weights' (bf16, or fp32)
+        merged = _load_adapter_folder(adapter_dir, backbone_dtype, trust_remote_code=trust_remote_code)
+        merged.merge_and_unload().save_pretrained(output_dir)

@@ -3,7 +3,7 @@
 GPUs: bf16 where the GPU has it (TF32 for what stays fp32). CPUs differ more than their flags say: with AMX tiles
 (Intel Xeon since Sapphire Rapids) bf16 matmuls are several times faster; with `avx512_bf16` alone they were 1.6x
 faster on an AMD Zen 4 and 0.8x as fast on an Intel Xeon (benchmarks/README.md); without either, bf16 is emulated.
-So a CPU with `avx512_bf16` but no AMX times a small training step both ways (~0.3 s), once per machine, torch
+So a CPU with `avx512_bf16` but no AMX times a small training step both ways (~0.5 s), once per machine, torch
 version and thread count: the answer is cached in FINETUNE_CACHE_DIR (default ~/.cache/accelerate-finetune-template).
 
 Rank 0 decides and every rank follows, so that no two ranks of one run compute differently. train.py saves the
@@ -19,6 +19,9 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
+
+from src.args import PRECISIONS
+from src.errors import UserError
 
 # bf16 must be at least this much faster: near 1.0 the timing's noise would make the choice flip between runs.
 MIN_SPEEDUP = 1.15
@@ -77,6 +80,8 @@ def cpu_bf16_decision() -> tuple[bool, str]:
         cached = json.loads(cache_file().read_text())
     except (OSError, ValueError):
         cached = {}
+    if not isinstance(cached, dict):  # edited by hand, or another program's file: measure and write it anew
+        cached = {}
     if not isinstance(cached.get(key), (int, float)):
         cached[key] = round(measure_bf16_speedup(), 3)
         try:
@@ -114,6 +119,11 @@ def choose_precision(requested: str | None, on_cpu: bool, saved: str | None = No
     if requested:
         return requested, "--mixed_precision"
     if saved:
+        if saved not in PRECISIONS:
+            raise UserError(
+                f"the run's saved mixed_precision is {saved!r}, not one of {', '.join(PRECISIONS)}: its args.json "
+                "(or checkpoint) was edited or damaged; pass --mixed_precision"
+            )
         return saved, "the precision the run was trained with (args.json)"
     configured = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if configured != "no":

@@ -1,9 +1,10 @@
 """Out-of-memory errors without a GPU, for --auto_find_batch_size tests.
 
-    FAKE_OOM=<rank>:<rows> python tests/fake_oom.py <train.py flags>     (or under `accelerate launch`)
+    FAKE_OOM=<rank>:<rows>[:<eval rows>] python tests/fake_oom.py <train.py flags>     (or under `accelerate launch`)
 
-runs train.py, except that on rank <rank> a forward pass with gradients on more than <rows> examples raises the
-error CUDA raises. Tests running train.py in-process use `out_of_memory_above` with monkeypatch instead.
+runs train.py, except that on rank <rank> a forward pass with gradients on more than <rows> examples (or one
+without gradients on more than <eval rows>) raises the error CUDA raises. Tests running train.py in-process use
+`out_of_memory_above` with monkeypatch instead.
 """
 
 import os
@@ -32,9 +33,9 @@ def out_of_memory_above(max_rows: int, max_eval_rows: int | None = None):
 
 
 if __name__ == "__main__":
-    rank, rows = os.environ["FAKE_OOM"].split(":")
+    rank, rows, *eval_rows = os.environ["FAKE_OOM"].split(":")
     if os.environ.get("RANK", "0") == rank:
-        PreTrainedModel.__call__ = out_of_memory_above(int(rows))
+        PreTrainedModel.__call__ = out_of_memory_above(int(rows), *map(int, eval_rows))
     script = Path(__file__).resolve().parents[1] / "train.py"
     sys.argv[0] = str(script)
     sys.path.insert(0, str(script.parent))

@@ -55,6 +55,9 @@ def test_defaults_are_sensible():
         (["--text_column", "a", "--text_pair_column", "a"], "--text_pair_column must differ"),
         (["--load_best_model_at_end", "--save_total_limit", "1"], "--save_total_limit of 2 or more"),
         (["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
+        (["--ddp_timeout", "0"], "--ddp_timeout: must be a positive integer"),
+        (["--ddp_timeout", "30m"], "--ddp_timeout: must be a whole number, got '30m'"),
+        (["--data_preparation_timeout", "99999999999"], "--data_preparation_timeout: must be at most 30 days"),
     ],
 )
 def test_bad_values_get_one_line_naming_the_flag(capsys, argv, culprit):

@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from transformers.pytorch_utils import Conv1D
 
 from src.args import build_train_parser, parse_args, validate_train_args
-from src.batch_size import fit_batch_size, next_smaller
+from src.batch_size import fit_batch_sizes, next_smaller
 from src.errors import UserError
 from src.model import build_model, head_modules, load_model, load_tokenizer, resolve_max_length, save_model
 from src.task import SINGLE_LABEL, Task
@@ -133,9 +133,9 @@ def test_a_text_gets_the_same_logits_alone_and_padded_in_a_batch(tiny_decoders, 
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_decoders_keep_no_kv_cache_and_save_the_config_they_came_with(tiny_decoders, tmp_path, lora):
+def test_decoders_keep_no_kv_cache_nor_does_their_saved_folder(tiny_decoders, tmp_path, lora):
     """A classifier never generates: the keys and values of every layer kept at each forward pass would only cost
-    memory, in training and evaluation alike. The saved config.json keeps the base's use_cache, for generation."""
+    memory, in training and evaluation alike, and in whatever loads the saved folder (its config.json says so)."""
     for layout, folder in tiny_decoders.items():
         model, tokenizer = built(folder, *(["--use_peft"] if lora else []))  # as train.py builds it
         assert model.config.use_cache is False, layout
@@ -145,7 +145,7 @@ def test_decoders_keep_no_kv_cache_and_save_the_config_they_came_with(tiny_decod
             out = tmp_path / f"{layout}-{merge}"
             out.mkdir()  # as train.py made it
             save_model(Accelerator(cpu=True), model, out, merge_lora=merge)
-            assert json.loads((out / "config.json").read_text())["use_cache"] is True, (layout, merge)
+            assert json.loads((out / "config.json").read_text())["use_cache"] is False, (layout, merge)
             loaded = load_model(str(out), pad_token_id=tokenizer.pad_token_id)  # as evaluate.py loads it
             assert loaded.config.use_cache is False, (layout, merge)
 
@@ -375,7 +375,7 @@ def test_auto_batch_size_refusals(tiny_model, data, tmp_path, monkeypatch):
         run_train(*train_args(tiny_model, *data, tmp_path / "out", "--auto_find_batch_size"))
     for engine in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         with pytest.raises(UserError, match=f"cannot probe memory under {engine.value}.*set --per_device_train"):
-            fit_batch_size(flags(), SimpleNamespace(distributed_type=engine), None, None, None, TASK)
+            fit_batch_sizes(flags(), SimpleNamespace(distributed_type=engine), None, None, None, TASK)
 
 
 # --- Two real processes -----------------------------------------------------------------------------------------
@@ -383,22 +383,26 @@ def test_auto_batch_size_refusals(tiny_model, data, tmp_path, monkeypatch):
 
 def test_full_fine_tuning_on_two_ranks_where_one_runs_out_of_memory(tiny_decoders, data, tmp_path, monkeypatch):
     """Rank 1 fits only 2 of the 4 examples asked for: both ranks train with 2 x 2 accumulation, like one rank
-    with 4 x 2, and the decoder's padding token reaches the saved folder."""
+    with 4 x 2, and the decoder's padding token reaches the saved folder. Rank 1 also fits only 3 of the 8
+    validation examples asked for: both ranks evaluate 2 at a time, and every example is still counted once."""
     two, one = tmp_path / "two", tmp_path / "one"
     args = train_args(
         tiny_decoders["llama"], *data, two, "--per_device_train_batch_size", "4", "--auto_find_batch_size"
     )
-    monkeypatch.setenv("FAKE_OOM", "1:2")
+    monkeypatch.setenv("FAKE_OOM", "1:2:3")
     result = launch("tests/fake_oom.py", args)
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stdout + result.stderr
     assert "rank 1: simulated out of memory" in log and "rank 0: simulated" not in log
     assert log.count("--per_device_train_batch_size 2 and --gradient_accumulation_steps 2") == 1
+    assert log.count("evaluating with --per_device_eval_batch_size 2") == 1, "agreed by both ranks, logged once"
+    assert json.loads((two / "args.json").read_text())["per_device_eval_batch_size"] == 2
 
     run_train(*train_args(tiny_decoders["llama"], *data, one, "--per_device_train_batch_size", "4",
                           "--gradient_accumulation_steps", "2"))  # fmt: skip
     results = json.loads((two / "all_results.json").read_text())
     assert results["num_processes"] == 2 and results["total_train_batch_size"] == 8
+    assert results["eval_samples"] == 21, "batches of 2 on 2 ranks: the padding repeats are not counted"
     assert results["trainable_parameters"] == results["total_parameters"]
     a, b = weights(one), weights(two)
     worst = max((a[k] - b[k]).abs().max().item() for k in a)

@@ -7,12 +7,14 @@ the code what the machine is rather than asking this one: the assertions are the
 import json
 import math
 
+import pytest
 import torch
 from accelerate import PartialState, debug_launcher
 from conftest import load_script, run_in_process, train_args
 from safetensors.torch import load_file
 
 import src.precision
+from src.errors import UserError
 from src.precision import MIN_SPEEDUP, choose_precision, cpu_bf16_decision
 
 train = load_script("train")
@@ -53,11 +55,13 @@ def test_the_cpus_instructions_decide_and_only_avx512_bf16_alone_is_measured(mon
     assert cpu_bf16_decision()[0] is False, "a gain within the timing's noise keeps fp32"
 
 
-def test_an_unreadable_or_unwritable_cache_means_measuring_again(monkeypatch, tmp_path):
-    (tmp_path / "cpu_precision.json").write_text("{not json")
+@pytest.mark.parametrize("damage", ["{not json", "[1.61]"], ids=["not JSON", "not a table"])
+def test_an_unreadable_or_unwritable_cache_means_measuring_again(monkeypatch, tmp_path, damage):
+    (tmp_path / "cpu_precision.json").write_text(damage)
     monkeypatch.setenv("FINETUNE_CACHE_DIR", str(tmp_path))
     measured = cpu(monkeypatch, amx=False, avx512_bf16=True, speedup=2.0)
     assert cpu_bf16_decision()[0] and len(measured) == 1
+    assert list(json.loads((tmp_path / "cpu_precision.json").read_text()).values()) == [2.0], "written anew"
     monkeypatch.setenv("FINETUNE_CACHE_DIR", str(tmp_path / "cpu_precision.json" / "not-a-folder"))
     assert cpu_bf16_decision()[0] and len(measured) == 2
 
@@ -79,6 +83,8 @@ def test_who_decides_the_precision(monkeypatch):
     assert choose_precision(None, on_cpu=True) == ("fp16", "accelerate config")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # launchers always pass one: 'no' is no choice
     assert choose_precision(None, on_cpu=True)[0] == "bf16"
+    with pytest.raises(UserError, match="saved mixed_precision is 'fp8', not one of no, fp16, bf16.*--mixed_precision"):
+        choose_precision(None, on_cpu=True, saved="fp8")
 
 
 def decide_on_each_rank(folder):
@@ -133,8 +139,9 @@ def test_the_decision_is_saved_and_kept_on_resume_and_by_evaluate(
     assert all(torch.equal(weights(bf16)[k], weights(resumed)[k]) for k in weights(bf16)), "the same computation"
 
     evaluated = tmp_path / "evaluated"
+    # The training run's evaluation batches (8 rows), so the same computation: only the precision could differ.
     run_in_process("evaluate", ["--model_name_or_path", str(bf16), "--validation_file", str(tiny_data[1]),
-                                "--output_dir", str(evaluated)])  # fmt: skip
+                                "--output_dir", str(evaluated), "--per_device_eval_batch_size", "8"])  # fmt: skip
     trained = json.loads((bf16 / "all_results.json").read_text())
     again = json.loads((evaluated / "eval_results.json").read_text())
     for key in ("eval_accuracy", "eval_loss"):  # eval_results.json rounds to 6 decimals; fp32 moves the loss by ~1e-4
