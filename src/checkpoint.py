@@ -13,6 +13,7 @@ import torch
 from accelerate.utils import RNG_STATE_NAME, load
 
 from src.errors import UserError
+from src.state import TrainState
 
 STATE_FILE = "training_state.json"
 PREFIX = "checkpoint-"
@@ -123,16 +124,17 @@ def read_checkpoint_args(path: Path) -> dict:
         return {}
 
 
-def load_checkpoint(accelerator, path: Path, args) -> dict:
-    """Restore everything `save_checkpoint` saved; returns the loop's position."""
+def load_checkpoint(accelerator, path: Path, record: dict) -> TrainState:
+    """Restore everything `save_checkpoint` saved; returns the loop's position. `record`: this run's (args.json)."""
     try:
-        state = json.loads((path / STATE_FILE).read_text())
-        position = (state["global_step"], state["epoch"], state["batches_in_epoch"], state["num_processes"])
+        saved_state = json.loads((path / STATE_FILE).read_text())
+        position = [saved_state[key] for key in ("global_step", "epoch", "batches_in_epoch", "num_processes")]
+        state = TrainState.from_dict(saved_state)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"checkpoint {path}: {STATE_FILE} is unreadable or incomplete ({err}); use another") from err
-    saved = state.get("args", {})
-    changed = [f"--{key} {saved[key]} -> {getattr(args, key)}" for key in SAME_ON_RESUME
-               if key in saved and str(saved[key]) != str(getattr(args, key))]  # fmt: skip
+    saved = saved_state.get("args", {})
+    changed = [f"--{key} {saved[key]} -> {record.get(key)}" for key in SAME_ON_RESUME
+               if key in saved and str(saved[key]) != str(record.get(key))]  # fmt: skip
     if changed:
         raise UserError(
             f"checkpoint {path} was made with other settings ({'; '.join(changed)}): resume with the same ones "
@@ -154,7 +156,7 @@ def load_checkpoint(accelerator, path: Path, args) -> dict:
             "another model: use an earlier checkpoint"
         ) from err
     # Without a shared file system each node picks its own 'latest': every rank must have the same step.
-    steps = accelerator.gather(torch.tensor([state["global_step"]], device=accelerator.device))
+    steps = accelerator.gather(torch.tensor([state.global_step], device=accelerator.device))
     if steps.min() != steps.max():
         raise UserError(
             f"the ranks resumed from different steps ({sorted(set(steps.tolist()))}): the nodes' --output_dir "

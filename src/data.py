@@ -1,21 +1,17 @@
-"""Loading, column detection, label mapping, tokenisation and the dataloaders.
+"""Reading the data: local files, Hub datasets, GLUE or the demo task, split into train and validation; and which
+columns hold the text and the labels.
 
-Every function here runs identically on every rank; train.py calls the loading and tokenising ones under
-`main_process_first()` so that rank 0 fills the datasets cache and the others read it.
+Every function here runs identically on every rank; train.py calls them under `main_process_first()` so that rank 0
+fills the datasets cache and the others read it.
 """
 
 from pathlib import Path
 
 import datasets.config
-import numpy as np
-import torch
-from datasets import ClassLabel, Dataset, DatasetDict, Value, load_dataset
-from torch.utils.data import DataLoader, Sampler
-from transformers import DataCollatorWithPadding
+from datasets import Dataset, DatasetDict, load_dataset
 
 from src.errors import UserError
-from src.glue import GLUE_DATASET, GLUE_TASKS, MNLI_MISMATCHED
-from src.task import Task, label_namer
+from src.glue import GLUE_DATASET, GLUE_TASKS, MNLI_MISMATCHED, glue_labels
 
 # The `datasets` builder (and its options) for each local file type. GLUE-style TSVs are unquoted.
 FILE_BUILDERS = {
@@ -33,8 +29,6 @@ TEXT_PAIR_COLUMNS = (
     ("question", "sentence"),
 )
 LABEL_COLUMNS = ("label", "labels")
-INDEX_COLUMN = "example_index"  # position in the evaluated data, so results can be put back in order
-LENGTH_COLUMN = "length"  # tokens per example, for batching by length without reading every token id
 
 
 def load_file(path: Path) -> Dataset:
@@ -131,25 +125,6 @@ def load_raw_splits(args) -> DatasetDict:
     return splits
 
 
-def glue_labels(dataset: Dataset, task_name: str, label_column: str | None) -> Dataset:
-    """A local file in GLUE's columns, labelled as the Hub's copy is: the task's label names for ids 0, 1, ...
-    (or the names themselves), and STS-B's scores as floats, so that integer scores still mean regression."""
-    label_column = label_column or "label"
-    if label_column not in dataset.column_names or isinstance(dataset.features[label_column], ClassLabel):
-        return dataset  # unlabelled, or labelled already
-    names = GLUE_TASKS[task_name][2]
-    if names is None:
-        return dataset.cast_column(label_column, Value("float32"))
-    allowed = set(names) | set(range(-1, len(names)))  # -1: GLUE's unlabelled test rows
-    wrong = [v for v in dataset.unique(label_column) if v not in allowed]
-    if wrong:
-        raise UserError(
-            f"--task_name {task_name}: label column {label_column!r} holds {', '.join(map(str, wrong[:5]))}; "
-            f"GLUE's {task_name} labels are {', '.join(names)} or their ids 0-{len(names) - 1}"
-        )
-    return dataset.cast_column(label_column, ClassLabel(names=list(names)))
-
-
 def detect_columns(
     column_names: list[str],
     text_column: str | None = None,
@@ -180,146 +155,3 @@ def detect_columns(
         if label_column is None and need_label:
             raise UserError(f"no label column found among: {available}; name it with --label_column")
     return text_column, text_pair_column, label_column
-
-
-def tokenize(dataset: Dataset, tokenizer, columns: tuple, max_length: int, task: Task) -> Dataset:
-    """Token ids, `labels` (in the form `task` trains on) and the row's position.
-
-    `columns` is (text, text pair or None, label or None). Raises UserError for a label the task does not
-    know, e.g. evaluating on a class the model never saw.
-    """
-    text_column, text_pair_column, label_column = columns
-    if label_column and isinstance(dataset.features[label_column], ClassLabel) and -1 in dataset.unique(label_column):
-        if set(dataset.unique(label_column)) != {-1}:
-            raise UserError(f"label column {label_column!r} marks some rows as unlabelled (-1); drop those rows")
-        label_column = None  # an unlabelled split, e.g. GLUE's test sets
-    name_of, multi_label = label_namer(dataset, label_column) if label_column else (None, task.is_multi_label)
-    if multi_label != task.is_multi_label:
-        rows = "lists of labels" if multi_label else "one label per row"
-        raise UserError(f"label column {label_column!r} holds {rows}, but the model does {task.describe()}")
-    label2id = task.label2id
-
-    def encode(rows, indices):
-        texts = [str(t) if t is not None else "" for t in rows[text_column]]
-        pairs = [str(t) if t is not None else "" for t in rows[text_pair_column]] if text_pair_column else None
-        encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length)
-        encoded[INDEX_COLUMN] = indices
-        encoded[LENGTH_COLUMN] = [len(ids) for ids in encoded["input_ids"]]
-        if label_column is None:
-            return encoded
-        raw = rows[label_column]
-        if task.is_regression:
-            encoded["labels"] = [float(v) for v in raw]
-            return encoded
-        names = [name_of(v) for v in raw]
-        unknown = sorted({n for row in names for n in (row if multi_label else [row]) if n not in label2id})
-        if unknown:
-            raise UserError(
-                f"label(s) {', '.join(unknown[:10])} in column {label_column!r} are not among the model's labels "
-                f"({', '.join(label2id)})"
-            )
-        if multi_label:  # multi-hot floats, the targets of BCE-with-logits
-            encoded["labels"] = [[float(name in chosen) for name in label2id] for chosen in map(set, names)]
-        else:
-            encoded["labels"] = [label2id[n] for n in names]
-        return encoded
-
-    return dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names, desc="Tokenizing")
-
-
-class LengthGroupedSampler(Sampler[int]):
-    """A shuffle in which consecutive batches hold examples of similar length, fresh for each epoch.
-
-    The order depends only on (seed, epoch): a resumed run gets the same batches, and every rank computes
-    the same order (accelerate then deals the batches out). `batch_size` is one optimizer update's examples
-    (per device x processes x accumulation) so that 2 ranks x 4, 1 rank x 4 accumulated twice and 1 rank x 8
-    see the same examples in each optimizer step (up to the short batch that ends an uneven epoch).
-
-    The shuffled examples are sorted by length within windows of `groups` updates. Wider windows waste less
-    compute on padding: on 6,000 SST-2 rows with batch 32, 16 batches leave 12% of the computed tokens as
-    padding and 64 batches 3.5%, with no loss of accuracy over 3 seeds (benchmarks/README.md).
-    """
-
-    def __init__(self, lengths, batch_size: int, seed: int, group_by_length: bool = True, groups: int = 64):
-        self.lengths = np.asarray(lengths)
-        self.batch_size = batch_size
-        self.seed = seed
-        self.group_by_length = group_by_length
-        self.window = batch_size * groups
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int):
-        self.epoch = epoch
-
-    def __len__(self):
-        return len(self.lengths)
-
-    def __iter__(self):
-        rng = np.random.default_rng([self.seed, self.epoch])  # (seed 42, epoch 1) != (seed 43, epoch 0)
-        order = rng.permutation(len(self.lengths))
-        if not self.group_by_length:
-            yield from order.tolist()
-            return
-        # Sort within windows of a few batches: lengths line up, batches still change every epoch.
-        for start in range(0, len(order), self.window):
-            window = order[start : start + self.window]
-            order[start : start + self.window] = window[np.argsort(self.lengths[window], kind="stable")]
-        order = order.tolist()
-        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        # Shuffle the batches (the short last one stays last) so lengths do not rise steadily within a window.
-        full = len(order) // self.batch_size
-        for position in rng.permutation(full).tolist():
-            yield from batches[position]
-        if full < len(batches):
-            yield from batches[-1]
-
-
-def lengths_of(dataset: Dataset) -> np.ndarray:
-    """The token counts as one array (indexing a `datasets` column row by row costs ~0.1 ms a row)."""
-    return dataset.with_format("numpy")[LENGTH_COLUMN][:]
-
-
-def padding_options(device: torch.device, pad_to_length: int | None = None) -> dict:
-    """The collator's options, the same in training and evaluation (train.py and evaluate.py): multiples of 8 on CUDA,
-    which tensor cores want, or every batch to `pad_to_length` (--pad_to_max_length) for fixed shapes."""
-    return {"pad_to_multiple_of": 8 if device.type == "cuda" else None, "pad_to_length": pad_to_length}
-
-
-def build_collator(tokenizer, pad_to_multiple_of=None, pad_to_length=None) -> DataCollatorWithPadding:
-    """Pads each batch to its longest example, or to `pad_to_length` (--pad_to_max_length) for fixed shapes."""
-    if pad_to_length:
-        return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=pad_to_length)
-    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
-
-
-def build_train_dataloader(
-    dataset: Dataset, tokenizer, batch_size, num_processes, seed, group_by_length=True, *, accumulation=1,
-    pad_to_multiple_of=None, pad_to_length=None,
-) -> DataLoader:  # fmt: skip
-    update = batch_size * num_processes * accumulation  # the examples of one optimizer step
-    sampler = LengthGroupedSampler(lengths_of(dataset), update, seed, group_by_length)
-    return DataLoader(
-        dataset.remove_columns([INDEX_COLUMN, LENGTH_COLUMN]),
-        batch_size=batch_size,
-        sampler=sampler,
-        collate_fn=build_collator(tokenizer, pad_to_multiple_of, pad_to_length),
-        # The loader's own generator: starting an epoch must not draw from the global RNG that dropout uses,
-        # or a resumed run would drop out different units than the uninterrupted one.
-        generator=torch.Generator().manual_seed(seed),
-        pin_memory=torch.cuda.is_available(),  # lets the non-blocking copy to the GPU really overlap
-    )
-
-
-def build_eval_dataloader(
-    dataset: Dataset, tokenizer, batch_size, pad_to_multiple_of=None, pad_to_length=None
-) -> DataLoader:
-    """Longest examples first, so batches hold similar lengths; `evaluate` puts results back in row order."""
-    by_length = np.argsort(-lengths_of(dataset), kind="stable").tolist()
-    return DataLoader(
-        dataset.remove_columns(LENGTH_COLUMN),
-        batch_size=batch_size,
-        sampler=by_length,
-        collate_fn=build_collator(tokenizer, pad_to_multiple_of, pad_to_length),
-        generator=torch.Generator().manual_seed(0),
-        pin_memory=torch.cuda.is_available(),
-    )

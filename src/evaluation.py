@@ -1,50 +1,56 @@
-"""Distributed evaluation: every example counted exactly once, results returned in row order."""
+"""Distributed evaluation: every example counted exactly once, results returned in row order, for any task."""
 
 import torch
 
-from src.data import INDEX_COLUMN
-from src.metrics import compute_metrics
-from src.task import Task
+from src.loaders import INDEX_COLUMN
+
+# Outputs of different lengths (a label per token) are padded with this, the ignore index of the labels, so that
+# the task's metrics skip the padding as they skip the labels it stands beside.
+PAD = -100
 
 
-def evaluate(model, dataloader, accelerator, task: Task) -> tuple[dict, dict]:
-    """(metrics prefixed 'eval_', per-example columns) over the whole dataset, on any number of processes.
+def evaluate(model, dataloader, accelerator, task) -> tuple[dict, dict]:
+    """(metrics prefixed 'eval_', the per-example outputs of `task.step` in row order) over the whole dataset, on any
+    number of processes.
 
-    The distributed sampler pads the last batches with repeated examples so that every rank gets the same
-    number; `gather_for_metrics` drops those repeats, and the row index puts the length-sorted batches
-    back in dataset order.
+    The distributed sampler pads the last batches with repeated examples so that every rank gets the same number;
+    `gather_for_metrics` drops those repeats, `pad_across_processes` evens out outputs whose length differs from rank
+    to rank, and the row index puts the length-sorted batches back in dataset order.
     """
     model.eval()
-    gathered = {"index": [], "prediction": [], "label": [], "loss": []}
+    parts = {}
     for batch in dataloader:
         index = batch.pop(INDEX_COLUMN)
-        labels = batch.pop("labels", None)
         with torch.no_grad():
-            logits = model(**batch).logits
-        values = {"index": index, "prediction": task.predictions(logits)}
-        if labels is not None:
-            values["label"] = labels
-            # Per-example losses: the batch mean would weigh the padding repeats in.
-            values["loss"] = task.loss(logits, labels, reduction="none")
-        for key, value in accelerator.gather_for_metrics(values).items():
-            gathered[key].append(value.cpu())
+            outputs = task.step(model, batch).outputs
+        outputs = accelerator.pad_across_processes({"index": index, **outputs}, dim=1, pad_index=PAD)
+        for key, value in accelerator.gather_for_metrics(outputs).items():
+            parts.setdefault(key, []).append(value.cpu())
     model.train()
 
-    columns = {key: torch.cat(parts) for key, parts in gathered.items() if parts}
+    columns = {key: _concatenate(values) for key, values in parts.items()}
     order = torch.argsort(columns["index"])
     columns = {key: value[order] for key, value in columns.items()}
     if not torch.equal(columns["index"], torch.arange(len(dataloader.dataset))):
         raise RuntimeError("evaluation did not see every example exactly once; please report this as a bug")
 
     metrics = {"eval_samples": len(order)}
-    if "label" in columns:
-        metrics["eval_loss"] = columns["loss"].mean().item()
-        scores = compute_metrics(columns["prediction"].tolist(), columns["label"].tolist(), task)
-        metrics.update({f"eval_{name}": value for name, value in scores.items()})
-    return metrics, {key: columns[key].tolist() for key in ("index", "label", "prediction") if key in columns}
+    if "loss" in columns:  # labelled data: `loss` and `units` hold each example's summed loss and its units
+        metrics["eval_loss"] = (columns["loss"].double().sum() / columns["units"].sum()).item()
+        metrics.update({f"eval_{name}": value for name, value in task.metrics(columns).items()})
+    return metrics, columns
 
 
-def evaluate_more(model, loaders: dict, accelerator, task: Task) -> dict:
+def _concatenate(values: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor from the batches' tensors, padded to the longest along the second dimension when they differ."""
+    longest = max(value.shape[1] for value in values) if values[0].dim() > 1 else None
+    if longest is not None:
+        values = [torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, longest - v.shape[1]), value=PAD)
+                  for v in values]  # fmt: skip
+    return torch.cat(values)
+
+
+def evaluate_more(model, loaders: dict, accelerator, task) -> dict:
     """Metrics on further validation splits, each suffixed with the split's name: {'validation_mm': loader} gives
     eval_accuracy_mm (MNLI's mismatched set, evaluated once at the end as run_glue.py does)."""
     results = {}

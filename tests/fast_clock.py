@@ -21,9 +21,9 @@ if __name__ == "__main__":
     sys.path.insert(0, str(script.parent))
     rank = os.environ.get("RANK", "0")
     if rank == os.environ["FAST_CLOCK"]:
-        import src.runtime
+        import src.signals
 
-        real_clock, set_up_vote = time.perf_counter, src.runtime.StopVote.__init__
+        real_clock, set_up_vote = time.perf_counter, src.signals.StopVote.__init__
 
         def set_up_vote_and_speed_up_the_clock(self, accelerator):
             set_up_vote(self, accelerator)
@@ -31,5 +31,5 @@ if __name__ == "__main__":
             time.perf_counter = lambda: start + (real_clock() - start) * SPEED
             print(f"rank {rank}: the clock runs {SPEED:.0e} times fast", file=sys.stderr, flush=True)
 
-        src.runtime.StopVote.__init__ = set_up_vote_and_speed_up_the_clock
+        src.signals.StopVote.__init__ = set_up_vote_and_speed_up_the_clock
     runpy.run_path(str(script), run_name="__main__")

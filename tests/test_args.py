@@ -111,7 +111,9 @@ def test_evaluate_needs_a_model_from_the_command_line_or_its_config(tmp_path, ca
     assert "--model_name_or_path is required" in capsys.readouterr().err
     config = tmp_path / "eval.yaml"
     config.write_text(f"model_name_or_path: {tmp_path}\nvalidation_file: dev.csv\n")
-    assert parse_eval_args(["--config", str(config)]).output_dir == tmp_path
+    args = parse_eval_args(["--config", str(config)])
+    # No --output_dir: the results go to the model folder (evaluate.py's main() decides where, from this).
+    assert args.model_name_or_path == str(tmp_path) and args.output_dir is None
 
 
 def test_on_off_flags_can_be_turned_off_from_the_command_line(tmp_path):

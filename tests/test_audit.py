@@ -226,7 +226,7 @@ def test_the_seed_decides_the_weights(tiny_model, data, tmp_path):
 def test_lora_alpha_and_target_modules_reach_the_adapter(tiny_model, data, tmp_path):
     """--lora_target_modules query,value: adapters on those two layers of each attention block, nowhere else;
     --lora_alpha 8 with --lora_r 4 scales the updates by 2."""
-    from src.model import load_model
+    from src.model import load_trained_model
 
     out = tmp_path / "out"
     lora = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "query,value"]
@@ -236,7 +236,7 @@ def test_lora_alpha_and_target_modules_reach_the_adapter(tiny_model, data, tmp_p
     adapted = {key.split(".lora_")[0] for key in load_file(out / "adapter_model.safetensors") if ".lora_" in key}
     assert adapted == {f"base_model.model.bert.encoder.layer.{i}.attention.self.{name}" for i in (0, 1)
                        for name in ("query", "value")}  # fmt: skip
-    model = load_model(str(out))
+    model = load_trained_model(AutoModelForSequenceClassification, str(out))
     assert {m.scaling["default"] for m in model.modules() if isinstance(m, LoraLayer)} == {8 / 4}
 
 

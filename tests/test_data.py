@@ -1,23 +1,24 @@
 """Loading local files, column detection, labels, tokenisation and the training sampler."""
 
+from types import SimpleNamespace
+
 import pytest
 from accelerate.data_loader import prepare_data_loader, skip_first_batches
 from conftest import sentiment_rows, write_rows
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from src.data import (
-    INDEX_COLUMN,
-    LENGTH_COLUMN,
-    LengthGroupedSampler,
-    build_train_dataloader,
-    detect_columns,
-    load_file,
-    tokenize,
-)
+from src.data import detect_columns, load_file
 from src.demo_data import make_demo_splits
 from src.errors import UserError
-from src.task import SINGLE_LABEL, Task, detect_task
+from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, LengthGroupedSampler, build_train_dataloader, padding_collator
+from src.tasks.sequence_classification import SINGLE_LABEL, SequenceClassification
+
+
+def detect_task(dataset, label_column):
+    args = SimpleNamespace(text_column=None, text_pair_column=None, label_column=label_column, class_weights="none",
+                           multi_label_threshold=0.5)  # fmt: skip
+    return SequenceClassification.from_data(args, dataset)
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".tsv", ".json", ".jsonl", ".parquet"])
@@ -69,8 +70,9 @@ def test_label_kinds(tmp_path):
         rows = [{"sentence": "x", "label": v} for v in values]
         return detect_task(load_file(write_rows(tmp_path / "d.jsonl", rows)), "label")
 
-    assert names(["pos", "neg", "pos"]) == Task(SINGLE_LABEL, ("neg", "pos"))
-    assert names([10, 2, 2]) == Task(SINGLE_LABEL, ("2", "10"))
+    columns = ("sentence", None, "label")
+    assert names(["pos", "neg", "pos"]) == SequenceClassification(SINGLE_LABEL, ("neg", "pos"), columns=columns)
+    assert names([10, 2, 2]) == SequenceClassification(SINGLE_LABEL, ("2", "10"), columns=columns)
     assert names([0.5, 1.25]).is_regression
     assert detect_task(make_demo_splits(10, 10)["train"], "label").label_names == ("negative", "positive")
     with pytest.raises(UserError, match="empty values"):
@@ -81,11 +83,12 @@ def test_tokenize_maps_labels_and_refuses_unknown_ones(tmp_path, tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     data = load_file(write_rows(tmp_path / "d.csv", sentiment_rows(6)))
     columns = ("sentence", None, "label")
-    encoded = tokenize(data, tokenizer, columns, 16, Task(SINGLE_LABEL, ("negative", "positive")))
+    task = SequenceClassification(SINGLE_LABEL, ("negative", "positive"), columns=columns)
+    encoded = task.features(data, tokenizer, 16)
     assert encoded[INDEX_COLUMN] == list(range(6))
     assert encoded["labels"] == [{"negative": 0, "positive": 1}[r["label"]] for r in sentiment_rows(6)]
     with pytest.raises(UserError, match=r"label\(s\) positive in column 'label' are not among the model's labels"):
-        tokenize(data, tokenizer, columns, 16, Task(SINGLE_LABEL, ("negative", "neutral")))
+        SequenceClassification(SINGLE_LABEL, ("negative", "neutral"), columns=columns).features(data, tokenizer, 16)
 
 
 @pytest.mark.parametrize("group_by_length", [True, False])
@@ -120,7 +123,7 @@ def indexed_dataset(count: int) -> Dataset:
 def rank_batches(dataset, tokenizer, per_device, num_processes, rank, epoch, skip=0) -> list[list[int]]:
     """The rows of each batch that rank `rank` of `num_processes` trains on, sharded by accelerate itself with the
     settings train.py's Accelerator uses (batches dealt out in turn, the last ones evened out)."""
-    loader = build_train_dataloader(dataset, tokenizer, per_device, num_processes, seed=7)
+    loader = build_train_dataloader(dataset, padding_collator(tokenizer), per_device, num_processes, seed=7)
     loader = prepare_data_loader(loader, num_processes=num_processes, process_index=rank, put_on_device=False)
     loader.set_epoch(epoch)
     return [batch["labels"].tolist() for batch in (skip_first_batches(loader, skip) if skip else loader)]

@@ -15,10 +15,15 @@ from huggingface_hub.utils import filter_repo_objects
 
 import src.hub
 from src.errors import UserError
-from src.hub import HubTarget, check_hub_access, push_to_hub, write_model_card
+from src.hub import HubTarget, check_hub_access, push_to_hub
+from src.model_card import write_model_card
+from src.plan import Plan
+from src.record import run_record
+from src.tasks.sequence_classification import SINGLE_LABEL, SequenceClassification
 
 train = load_script("train")
 SECRET = "hf_SeCrEtToKeN0123456789"
+BINARY = SequenceClassification(SINGLE_LABEL, ("negative", "positive"), columns=("sentence", None, "label"))
 
 
 class FakeHub:
@@ -87,7 +92,7 @@ def test_push_checks_first_uploads_last_and_never_writes_the_token(tmp_path, tin
     assert (out / "checkpoint-8").is_dir() and list((out / "tensorboard").rglob("events.out.tfevents.*"))
 
     settings = json.loads((out / "args.json").read_text())
-    assert settings["hub_token"] is None and settings["hub_model_id"] == "alice/my-classifier"
+    assert "hub_token" not in settings and settings["hub_model_id"] == "alice/my-classifier"
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers") and '"alice/my-classifier"' in card
     # Nowhere on disk (args.json, checkpoints, TensorBoard's hparams, the card), nor in the logs.
@@ -115,7 +120,10 @@ def test_the_token_comes_from_hf_token_or_the_login_cache(fake_hub, monkeypatch,
 
 def test_without_push_to_hub_the_token_is_dropped_and_the_hub_untouched(fake_hub, tmp_path, one_process):
     args = SimpleNamespace(hub_token=SECRET, push_to_hub=False, hub_model_id=None, output_dir=tmp_path)
-    assert check_hub_access(args, one_process) is None and args.hub_token is None and not fake_hub.calls
+    assert check_hub_access(args, one_process) is None and not fake_hub.calls
+    plan = Plan("no", "asked for", 1, 8, 1, 8, 64, "accuracy", True, 10, 1, 8)
+    record = run_record(args, plan, BINARY)
+    assert "hub_token" not in record and SECRET not in json.dumps(record)
 
 
 @pytest.mark.parametrize(
@@ -183,7 +191,7 @@ def test_the_model_card_of_an_adapter_run_and_unknown_settings(tmp_path):
     settings = {"model_name_or_path": "meta-llama/Llama-3.2-1B", "use_peft": True, "lora_r": 8, "lora_alpha": 16,
                 "some_future_flag": [1, 2], "dataset_name": "imdb", "learning_rate": 2e-4, "hub_token": SECRET,
                 "num_warmup_steps": 5, "warmup_ratio": 0.1}  # fmt: skip
-    write_model_card(tmp_path, settings, {"eval_accuracy": 0.91234, "eval_samples": 100, "global_step": 30})
+    write_model_card(tmp_path, settings, {"eval_accuracy": 0.91234, "eval_samples": 100, "global_step": 30}, BINARY)
     card = (tmp_path / "README.md").read_text()
     assert "library_name: peft" in card and "base_model: meta-llama/Llama-3.2-1B" in card
     assert 'AutoModelForSequenceClassification.from_pretrained("meta-llama/Llama-3.2-1B", config=config)' in card
@@ -197,7 +205,7 @@ def test_the_card_of_the_packaged_model_names_it_by_its_hub_id(tmp_path):
     """The default model lives in site-packages; the card (perhaps pushed to the Hub) names it, not that path."""
     from src.model import default_model_path
 
-    write_model_card(tmp_path, {"model_name_or_path": default_model_path()}, {})
+    write_model_card(tmp_path, {"model_name_or_path": default_model_path()}, {}, BINARY)
     card = (tmp_path / "README.md").read_text()
     assert "base_model: sentence-transformers/all-MiniLM-L6-v2" in card
     assert "Fine-tuned from `sentence-transformers/all-MiniLM-L6-v2`" in card and "site-packages" not in card

@@ -49,21 +49,25 @@ def test_sentence_length_alone_cannot_pass_the_learning_tests():
 @pytest.mark.slow
 def test_demo_task_starts_at_chance_with_the_packaged_model():
     """The default run's premise: MiniLM with a fresh head knows nothing of the demo task."""
+    from types import SimpleNamespace
+
     from accelerate import Accelerator
 
-    from src.data import build_eval_dataloader, tokenize
     from src.demo_data import make_demo_splits
     from src.evaluation import evaluate
-    from src.model import default_model_path, load_model, load_tokenizer
-    from src.task import SINGLE_LABEL, Task
+    from src.loaders import build_eval_dataloader
+    from src.model import default_model_path, load_tokenizer
+    from src.tasks.sequence_classification import SINGLE_LABEL, SequenceClassification
 
     accelerator = Accelerator(cpu=True)
     tokenizer = load_tokenizer(default_model_path())
-    task = Task(SINGLE_LABEL, ("negative", "positive"))
-    model = load_model(default_model_path(), task)
+    task = SequenceClassification(SINGLE_LABEL, ("negative", "positive"), columns=("sentence", None, "label"))
+    args = SimpleNamespace(model_name_or_path=default_model_path(), use_peft=False, trust_remote_code=False,
+                           ignore_mismatched_sizes=True)  # fmt: skip
+    model = task.build_model(args, tokenizer, accelerator.mixed_precision)
     validation = make_demo_splits()["validation"]
-    dataset = tokenize(validation, tokenizer, ("sentence", None, "label"), 64, task)
-    loader = accelerator.prepare(build_eval_dataloader(dataset, tokenizer, 64))
+    dataset = task.features(validation, tokenizer, 64)
+    loader = accelerator.prepare(build_eval_dataloader(dataset, task.collator(tokenizer), 64))
     metrics, _ = evaluate(accelerator.prepare_model(model, evaluation_mode=True), loader, accelerator, task)
     assert 0.4 < metrics["eval_accuracy"] < 0.6
 

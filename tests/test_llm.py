@@ -29,12 +29,14 @@ from transformers.pytorch_utils import Conv1D
 from src.args import build_train_parser, parse_args, validate_train_args
 from src.batch_size import fit_batch_sizes, next_smaller
 from src.errors import UserError
-from src.model import build_model, head_modules, load_model, load_tokenizer, resolve_max_length, save_model
-from src.task import SINGLE_LABEL, Task
+from src.lora import head_modules
+from src.model import load_tokenizer, load_trained_model, prepare_for_training, resolve_max_length, save_model
+from src.plan import BatchSizes
+from src.tasks.sequence_classification import SINGLE_LABEL, SequenceClassification
 
 train = load_script("train")
 evaluate_script = load_script("evaluate")
-TASK = Task(SINGLE_LABEL, ("negative", "positive"))
+TASK = SequenceClassification(SINGLE_LABEL, ("negative", "positive"), columns=("sentence", None, "label"))
 TEXTS = [row["sentence"] for row in sentiment_rows(7, seed=3)] + ["bad", "the plot"]
 
 
@@ -48,8 +50,8 @@ def run_train(*argv):
     return train.main(train.parse_train_args(list(argv)))
 
 
-def run_evaluate(model_dir, data_file, output_dir):
-    args = ["--model_name_or_path", str(model_dir), "--validation_file", str(data_file)]
+def run_evaluate(model_dir, data_file, output_dir, *flags):
+    args = ["--model_name_or_path", str(model_dir), "--validation_file", str(data_file), *flags]
     return evaluate_script.main(evaluate_script.parse_eval_args([*args, "--output_dir", str(output_dir)]))
 
 
@@ -63,7 +65,9 @@ def built(model_dir, *argv, mixed_precision="no"):
     tokenizer = load_tokenizer(str(model_dir))
     AcceleratorState._reset_state(reset_partial_state=True)  # a new precision, as in a new process
     accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
-    return build_model(flags("--model_name_or_path", str(model_dir), *argv), TASK, tokenizer, accelerator), tokenizer
+    args = flags("--model_name_or_path", str(model_dir), *argv)
+    model = TASK.build_model(args, tokenizer, accelerator.mixed_precision)
+    return prepare_for_training(model, args, accelerator), tokenizer
 
 
 def logits_alone_and_in_a_batch(model, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +150,8 @@ def test_decoders_keep_no_kv_cache_nor_does_their_saved_folder(tiny_decoders, tm
             out.mkdir()  # as train.py made it
             save_model(Accelerator(cpu=True), model, out, merge_lora=merge)
             assert json.loads((out / "config.json").read_text())["use_cache"] is False, (layout, merge)
-            loaded = load_model(str(out), pad_token_id=tokenizer.pad_token_id)  # as evaluate.py loads it
+            # as evaluate.py loads it
+            loaded = load_trained_model(AutoModelForSequenceClassification, str(out), tokenizer.pad_token_id)
             assert loaded.config.use_cache is False, (layout, merge)
 
 
@@ -223,9 +228,13 @@ def test_lora_output_checkpoints_resume_and_evaluation(tiny_decoders, data, tmp_
     assert model.config.id2label == {0: "negative", 1: "positive"} and model.config.pad_token_id is not None
     assert_same_logits(*logits_alone_and_in_a_batch(model, tokenizer))
 
-    # evaluate.py takes the folder and reproduces the run's final metrics (texts cut at the run's --max_length).
+    # evaluate.py takes the folder and reproduces the run's final metrics (texts cut at the run's --max_length):
+    # exactly with the run's evaluation batches; with its own batch size of 64 the batches pad the texts to other
+    # lengths, which moves each loss in its last float32 bits (eval_loss sums them in float64, which shows it).
+    final = {k: v for k, v in results.items() if k.startswith("eval_")}
+    assert run_evaluate(out, data[1], tmp_path / "eval8", "--per_device_eval_batch_size", "8") == final
     metrics = run_evaluate(out, data[1], tmp_path / "eval")
-    assert metrics == {k: v for k, v in results.items() if k.startswith("eval_")}
+    assert metrics == {**final, "eval_loss": pytest.approx(final["eval_loss"], rel=1e-6)}
 
     # A fresh folder with only the first checkpoint, resumed: bit for bit the uninterrupted run.
     resumed = tmp_path / "resumed"
@@ -271,10 +280,10 @@ def test_lora_on_a_base_whose_head_has_another_size_saves_merges_and_evaluates(t
     shutil.copytree(tmp_path / "out0", moved)
     shutil.rmtree(base)
     with pytest.raises(UserError, match=f"set base_model_name_or_path in {moved / 'adapter_config.json'}"):
-        load_model(str(moved))
+        load_trained_model(AutoModelForSequenceClassification, str(moved))
     (moved / "adapter_config.json").write_text("{not json")
     with pytest.raises(UserError, match="adapter_config.json cannot be read"):
-        load_model(str(moved))
+        load_trained_model(AutoModelForSequenceClassification, str(moved))
 
 
 def test_lora_flags_are_checked(tiny_decoders, data, tmp_path, capsys):
@@ -375,7 +384,7 @@ def test_auto_batch_size_refusals(tiny_model, data, tmp_path, monkeypatch):
         run_train(*train_args(tiny_model, *data, tmp_path / "out", "--auto_find_batch_size"))
     for engine in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         with pytest.raises(UserError, match=f"cannot probe memory under {engine.value}.*set --per_device_train"):
-            fit_batch_sizes(flags(), SimpleNamespace(distributed_type=engine), None, None, None, TASK)
+            fit_batch_sizes(BatchSizes(8, 1, 8), SimpleNamespace(distributed_type=engine), None, None, None, TASK)
 
 
 # --- Two real processes -----------------------------------------------------------------------------------------

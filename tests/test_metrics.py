@@ -1,13 +1,26 @@
 """Metrics come from the shipped `evaluate` modules and agree with scikit-learn and SciPy."""
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import f1_score, matthews_corrcoef
 
-from src.metrics import compute_metrics, greater_is_better, main_metric
-from src.task import REGRESSION, SINGLE_LABEL, Task
+from src.plan import best_metric
+from src.tasks.sequence_classification import REGRESSION, SINGLE_LABEL, SequenceClassification
 
-BINARY, THREE_CLASSES, SCORES = Task(SINGLE_LABEL, ("a", "b")), Task(SINGLE_LABEL, ("a", "b", "c")), Task(REGRESSION)
+BINARY = SequenceClassification(SINGLE_LABEL, ("a", "b"))
+THREE_CLASSES = SequenceClassification(SINGLE_LABEL, ("a", "b", "c"))
+SCORES = SequenceClassification(REGRESSION)
+
+
+def compute_metrics(predictions, references, task):
+    return task.metrics({"prediction": torch.tensor(predictions), "label": torch.tensor(references)})
+
+
+def greater_is_better(metric, task):
+    return best_metric(SimpleNamespace(metric_for_best_model=metric, greater_is_better=None), task)[1]
 
 
 def test_classification_metrics():
@@ -30,5 +43,6 @@ def test_regression_metrics():
 
 
 def test_best_model_defaults():
-    assert main_metric(BINARY) == "accuracy" and main_metric(SCORES) == "mse"
-    assert greater_is_better("accuracy") and not greater_is_better("mse") and not greater_is_better("loss")
+    assert BINARY.main_metric == "accuracy" and SCORES.main_metric == "mse"
+    assert greater_is_better("accuracy", BINARY)
+    assert not greater_is_better("mse", SCORES) and not greater_is_better("loss", BINARY)

@@ -8,7 +8,7 @@ import pytest
 from conftest import REPO, run_process
 from datasets import Dataset
 
-from src.data import LENGTH_COLUMN, LengthGroupedSampler, lengths_of
+from src.loaders import LENGTH_COLUMN, LengthGroupedSampler, lengths_of
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -84,7 +84,7 @@ def test_overhead_phases_add_up_to_the_process_wall_time():
 
     totals = {"imports": [3.0, 3.0], "end": [60.0, 100.0], "train_loop": [50.0, 95.0], "evaluate": [2.0, 3.0],
               "load_metric": [0.5, 0.5], "save_final": [1.0, 1.0], "plot_training_curves": [0.4, 0.4],
-              "load_raw_splits": [0.5, 0.5], "tokenize": [0.7, 0.7], "build_model": [0.3, 0.3],
+              "load_raw_splits": [0.5, 0.5], "load_data_and_model": [1.5, 1.5], "build_dataloaders": [0.2, 0.2],
               "started_at": 100.1, "ended_at": 160.3}  # fmt: skip
     rows = dict((name, wall) for name, wall, _ in phases(totals, 60.5, launched_at=100.0, exited_at=160.5))
     assert rows["Python start-up"] == pytest.approx(0.1)
@@ -92,7 +92,9 @@ def test_overhead_phases_add_up_to_the_process_wall_time():
     assert rows["training steps"] == pytest.approx(48.0)
     assert rows["evaluation (forward passes, gathering)"] == pytest.approx(1.5)
     assert rows["saving the model and results"] == pytest.approx(0.6)
-    assert rows["loading the model"] == pytest.approx(0.3)
+    assert rows["reading the data"] == pytest.approx(0.5)
+    assert rows["loading the model, tokenising"] == pytest.approx(1.0)  # load_data_and_model less the reading
+    assert rows["dataloaders"] == pytest.approx(0.2)
     assert sum(rows.values()) == pytest.approx(60.5)
 
 

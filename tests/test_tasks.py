@@ -7,6 +7,8 @@ import random
 import signal
 import subprocess
 import sys
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,10 +20,11 @@ from transformers import AutoConfig, AutoTokenizer
 
 import src.runtime
 from src.args import build_train_parser, parse_args, validate_train_args
-from src.data import build_eval_dataloader, build_train_dataloader, load_file, tokenize
+from src.data import load_file
 from src.errors import UserError
-from src.metrics import check_best_metric, compute_metrics
-from src.task import MULTI_LABEL, REGRESSION, SINGLE_LABEL, Task, detect_task
+from src.loaders import build_eval_dataloader, build_train_dataloader, padding_options
+from src.plan import best_metric
+from src.tasks.sequence_classification import MULTI_LABEL, REGRESSION, SINGLE_LABEL, SequenceClassification
 
 train = load_script("train")
 evaluate_script = load_script("evaluate")
@@ -39,6 +42,21 @@ def ticket_rows(count: int, seed: int) -> list[dict]:
     return rows
 
 
+def detect_task(dataset, label_column, class_weights="none", threshold=0.5):
+    """The task that train.py finds in these training rows (columns detected, labels from `label_column`)."""
+    args = SimpleNamespace(text_column=None, text_pair_column=None, label_column=label_column,
+                           class_weights=class_weights, multi_label_threshold=threshold)  # fmt: skip
+    return SequenceClassification.from_data(args, dataset)
+
+
+def compute_metrics(predictions, references, task):
+    return task.metrics({"prediction": torch.tensor(predictions), "label": torch.tensor(references)})
+
+
+def check_best_metric(name, task):
+    return best_metric(SimpleNamespace(metric_for_best_model=name, greater_is_better=None), task)[0]
+
+
 def parse(*argv):
     parser = build_train_parser()
     return validate_train_args(parser, parse_args(parser, list(argv)))
@@ -51,7 +69,7 @@ def test_lists_of_labels_mean_multi_label(tmp_path):
     rows = [{"text": "a", "labels": ["bug", "billing"]}, {"text": "b", "labels": []}, {"text": "c", "labels": ["bug"]}]
     for suffix in (".jsonl", ".json", ".parquet"):
         task = detect_task(load_file(write_rows(tmp_path / f"d{suffix}", rows)), "labels")
-        assert task == Task(MULTI_LABEL, ("billing", "bug")), suffix
+        assert task == SequenceClassification(MULTI_LABEL, ("billing", "bug"), columns=("text", None, "labels")), suffix
     assert task.config_fields()["problem_type"] == "multi_label_classification"
     assert task.config_fields()["id2label"] == {0: "billing", 1: "bug"}
 
@@ -59,7 +77,8 @@ def test_lists_of_labels_mean_multi_label(tmp_path):
         {"text": ["a", "b"], "labels": [[2, 0], []]},
         features=Features({"text": Value("string"), "labels": List(ClassLabel(names=["x", "y", "z"]))}),
     )
-    assert detect_task(hub_style, "labels") == Task(MULTI_LABEL, ("x", "y", "z"))
+    expected = SequenceClassification(MULTI_LABEL, ("x", "y", "z"), columns=("text", None, "labels"))
+    assert detect_task(hub_style, "labels") == expected
     ids = Dataset.from_dict({"text": ["a", "b"], "labels": [[10, 2], [2]]})
     assert detect_task(ids, "labels").label_names == ("2", "10")
 
@@ -78,26 +97,28 @@ def test_multi_label_encoding_loss_and_predictions(tmp_path, tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     data = load_file(write_rows(tmp_path / "d.jsonl", ticket_rows(6, seed=0)))
     task = detect_task(data, "labels")
-    encoded = tokenize(data, tokenizer, ("text", None, "labels"), 16, task)
+    assert task.columns == ("text", None, "labels")
+    encoded = task.features(data, tokenizer, 16)
     expected = [[float(name in row["labels"]) for name in task.label_names] for row in ticket_rows(6, seed=0)]
     assert encoded["labels"] == expected
 
     logits, targets = torch.tensor([[2.0, -1.0], [0.1, -0.3]]), torch.tensor([[1.0, 0.0], [0.0, 0.0]])
-    weighted = Task(MULTI_LABEL, ("a", "b"), class_weights=(3.0, 0.5), threshold=0.5)
+    weighted = SequenceClassification(MULTI_LABEL, ("a", "b"), class_weights=(3.0, 0.5), threshold=0.5)
     manual = F.binary_cross_entropy_with_logits(logits, targets, pos_weight=torch.tensor([3.0, 0.5]), reduction="none")
-    assert torch.allclose(weighted.loss(logits, targets, reduction="none"), manual.mean(-1))
+    assert torch.allclose(weighted.losses(logits, targets), manual.mean(-1))
     assert weighted.predictions(logits).tolist() == [[1, 0], [1, 0]]  # sigmoid(0.1) = 0.52 > 0.5
-    assert Task(MULTI_LABEL, ("a", "b"), threshold=0.6).predictions(logits).tolist() == [[1, 0], [0, 0]]
+    stricter = SequenceClassification(MULTI_LABEL, ("a", "b"), threshold=0.6)
+    assert stricter.predictions(logits).tolist() == [[1, 0], [0, 0]]
 
     with pytest.raises(UserError, match=r"label\(s\) praise in column 'labels' are not among the model's labels"):
-        tokenize(data, tokenizer, ("text", None, "labels"), 16, Task(MULTI_LABEL, ("acting", "music", "story")))
+        replace(task, label_names=("acting", "music", "story")).features(data, tokenizer, 16)
     single = load_file(write_rows(tmp_path / "s.csv", sentiment_rows(4)))
     with pytest.raises(UserError, match="holds one label per row, but the model does multi-label"):
-        tokenize(single, tokenizer, ("sentence", None, "label"), 16, task)
+        replace(task, columns=("sentence", None, "label")).features(single, tokenizer, 16)
 
 
 def test_multi_label_metrics_agree_with_scikit_learn():
-    task = Task(MULTI_LABEL, ("a", "b", "c"))
+    task = SequenceClassification(MULTI_LABEL, ("a", "b", "c"))
     predictions = [[1, 0, 0], [1, 1, 0], [0, 0, 0], [0, 0, 1]]
     references = [[1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0]]
     scores = compute_metrics(predictions, references, task)
@@ -241,8 +262,10 @@ def test_balanced_weights_and_the_weighted_loss():
     assert task.class_weights == pytest.approx((8 / (2 * 6), 8 / (2 * 2)))  # n_rows / (n_classes * count)
     logits, labels = torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.5, 0.5]]), torch.tensor([0, 1, 1])
     per_example = F.cross_entropy(logits, labels, reduction="none") * torch.tensor([2 / 3, 2.0, 2.0])
-    assert torch.allclose(task.loss(logits, labels, reduction="none"), per_example)
-    assert task.loss(logits, labels) == pytest.approx(per_example.mean().item())  # a mean over examples
+    assert torch.allclose(task.losses(logits, labels), per_example)
+    assert task.losses(logits, labels).mean() == pytest.approx(per_example.mean().item())  # a mean over examples
+    step = task.step(lambda **batch: {"logits": logits}, {"labels": labels})  # what the loop sums and divides
+    assert step.loss == pytest.approx(per_example.sum().item()) and step.units == 3
     with pytest.raises(UserError, match="--class_weights balanced is for classification"):
         detect_task(Dataset.from_list([{"text": "x", "label": 0.5}]), "label", class_weights="balanced")
     hub_style = Dataset.from_dict({"text": ["x"], "label": [0]}, features=Features(
@@ -350,11 +373,12 @@ def test_a_run_glue_no_trainer_command_with_local_files(tmp_path, tiny_model):
 def test_pad_to_max_length_pads_every_batch(tmp_path, tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     data = load_file(write_rows(tmp_path / "d.csv", sentiment_rows(21)))
-    dataset = tokenize(data, tokenizer, ("sentence", None, "label"), 24, Task(SINGLE_LABEL, ("negative", "positive")))
-    loaders = [build_train_dataloader(dataset, tokenizer, 8, 1, 0, pad_to_length=24),
-               build_eval_dataloader(dataset, tokenizer, 8, pad_to_length=24)]  # fmt: skip
+    task = SequenceClassification(SINGLE_LABEL, ("negative", "positive"), columns=("sentence", None, "label"))
+    dataset = task.features(data, tokenizer, 24)
+    fixed = task.collator(tokenizer, **padding_options(torch.device("cpu"), 24))
+    loaders = [build_train_dataloader(dataset, fixed, 8, 1, 0), build_eval_dataloader(dataset, fixed, 8)]
     assert {tuple(b["input_ids"].shape[1:]) for loader in loaders for b in loader} == {(24,)}
-    dynamic = build_eval_dataloader(dataset, tokenizer, 8)
+    dynamic = build_eval_dataloader(dataset, task.collator(tokenizer, **padding_options(torch.device("cpu"))), 8)
     assert max(b["input_ids"].shape[1] for b in dynamic) < 24
 
 
@@ -478,10 +502,14 @@ def test_flags_that_cannot_work_say_what_to_do(capsys, argv, message):
     assert message in err and err.count("\n") == 1
 
 
+def model_args(model, trust_remote_code=False, ignore_mismatched_sizes=True):
+    """What a task's build_model reads of train.py's flags."""
+    return SimpleNamespace(model_name_or_path=str(model), use_peft=False, trust_remote_code=trust_remote_code,
+                           ignore_mismatched_sizes=ignore_mismatched_sizes)  # fmt: skip
+
+
 def test_remote_code_runs_only_when_trusted(tmp_path, tiny_model, monkeypatch):
     """A model folder with its own modelling code (auto_map): refused without --trust_remote_code, code not run."""
-    from src.model import load_model
-
     folder = tmp_path / "custom"
     folder.mkdir()
     for file in tiny_model.iterdir():
@@ -502,22 +530,22 @@ def test_remote_code_runs_only_when_trusted(tmp_path, tiny_model, monkeypatch):
     config.update(model_type="custom-bert", auto_map=auto_map)
     (folder / "config.json").write_text(json.dumps(config))
     monkeypatch.setenv("CODE_RAN_MARKER", str(marker))
-    task = Task(SINGLE_LABEL, ("negative", "positive"))
+    task = SequenceClassification(SINGLE_LABEL, ("negative", "positive"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
 
     with pytest.raises(UserError, match="ships its own Python code; read it, then pass --trust_remote_code"):
-        load_model(str(folder), task)
+        task.build_model(model_args(folder), tokenizer, "no")
     assert not marker.exists()
-    model = load_model(str(folder), task, trust_remote_code=True)
+    model = task.build_model(model_args(folder, trust_remote_code=True), tokenizer, "no")
     assert marker.exists() and type(model).__name__ == "CustomModel"
 
 
 def test_a_head_of_another_size_is_replaced_unless_refused(tmp_path, tiny_model):
-    from src.model import load_model
-
-    three = Task(SINGLE_LABEL, ("a", "b", "c"))  # the tiny model's head has 2 labels
-    assert load_model(str(tiny_model), three).config.num_labels == 3
+    three = SequenceClassification(SINGLE_LABEL, ("a", "b", "c"))  # the tiny model's head has 2 labels
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    assert three.build_model(model_args(tiny_model), tokenizer, "no").config.num_labels == 3
     with pytest.raises(UserError, match="head for another number of labels; drop --no-ignore_mismatched_sizes"):
-        load_model(str(tiny_model), three, ignore_mismatched_sizes=False)
+        three.build_model(model_args(tiny_model, ignore_mismatched_sizes=False), tokenizer, "no")
 
 
 def test_report_to_all_is_accepted():

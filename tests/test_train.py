@@ -15,6 +15,7 @@ from datasets import ClassLabel, Dataset, Features, Value
 from sklearn.metrics import f1_score, matthews_corrcoef
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
+import src.plots
 from src.errors import UserError
 
 train = load_script("train")
@@ -59,7 +60,7 @@ def recording(monkeypatch, module, name) -> list:
 
 
 def test_classification_end_to_end(tiny_model, tiny_data, tmp_path, monkeypatch):
-    plots = recording(monkeypatch, train, "plot_training_curves")
+    plots = recording(monkeypatch, src.plots, "plot_training_curves")
     out = tmp_path / "out"
     run_train(*train_args(tiny_model, *tiny_data, out, "--eval_steps", "3", "--logging_steps", "2",
                           "--report_to", "tensorboard"))  # fmt: skip
@@ -123,7 +124,7 @@ def test_regression_with_text_pairs(tiny_model, tmp_path, monkeypatch):
     assert (args["text_column"], args["text_pair_column"]) == ("sentence1", "sentence2")
     assert args["metric_for_best_model"] == "mse" and args["greater_is_better"] is False
 
-    points = recording(monkeypatch, evaluate_script, "plot_regression")
+    points = recording(monkeypatch, src.plots, "plot_regression")
     metrics = run_evaluate("--model_name_or_path", out, "--validation_file", dev_file, "--output_dir", tmp_path / "e")
     expected = reference_logits(out, [r["sentence1"] for r in rows[32:]], [r["sentence2"] for r in rows[32:]])
     expected, scores = expected.squeeze(-1).tolist(), [r["score"] for r in rows[32:]]
@@ -161,7 +162,7 @@ def test_validation_split_carved_from_train_and_int_labels(tiny_model, tmp_path)
 def test_evaluate_script_writes_results_predictions_and_picture(trained_tiny_model, tmp_path, monkeypatch):
     rows = sentiment_rows(37, seed=2)
     data = write_rows(tmp_path / "dev.csv", rows)
-    pictures = recording(monkeypatch, evaluate_script, "plot_confusion_matrix")
+    pictures = recording(monkeypatch, src.plots, "plot_confusion_matrix")
     out = tmp_path / "eval"
     run_evaluate("--model_name_or_path", trained_tiny_model, "--validation_file", data,
                  "--per_device_eval_batch_size", "5", "--output_dir", out)  # fmt: skip
@@ -187,9 +188,9 @@ def test_evaluate_pads_batches_as_train_does(tiny_model, tmp_path, monkeypatch):
     about this machine's device and answers as on CUDA; every batch either script builds then comes out so."""
     from types import SimpleNamespace
 
-    from src.data import padding_options, tokenize
+    from src.loaders import padding_options
     from src.model import load_tokenizer
-    from src.task import SINGLE_LABEL, Task
+    from src.tasks.sequence_classification import SINGLE_LABEL, SequenceClassification
 
     assert padding_options(torch.device("cuda")) == {"pad_to_multiple_of": 8, "pad_to_length": None}
     assert padding_options(torch.device("cpu"), 64) == {"pad_to_multiple_of": None, "pad_to_length": 64}
@@ -201,15 +202,17 @@ def test_evaluate_pads_batches_as_train_does(tiny_model, tmp_path, monkeypatch):
 
     rows = sentiment_rows(13)
     tokenizer = load_tokenizer(str(tiny_model))
-    dataset = tokenize(Dataset.from_list(rows), tokenizer, ("sentence", None, "label"), 64,
-                       Task(SINGLE_LABEL, ("negative", "positive")))  # fmt: skip
+    task = SequenceClassification(SINGLE_LABEL, ("negative", "positive"), columns=("sentence", None, "label"))
+    dataset = task.features(Dataset.from_list(rows), tokenizer, 64)
     monkeypatch.setattr(train, "padding_options", as_on_cuda)
-    batching = {"per_device_train_batch_size": 4, "per_device_eval_batch_size": 4, "group_by_length": True}
+    batching = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "per_device_eval_batch_size": 4,
+                "group_by_length": True}  # fmt: skip
     args = SimpleNamespace(max_length=64, pad_to_max_length=False, auto_find_batch_size=False, seed=0, **batching)
     accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1, gradient_accumulation_steps=1)
-    loaders = train.build_dataloaders(args, accelerator, None, {"train": dataset, "validation": dataset}, tokenizer,
-                                      None, None)  # fmt: skip
-    widths += [batch["input_ids"].shape[1] for loader in (loaders[0], *loaders[1].values()) for batch in loader]
+    _, train_loader, eval_loaders = train.build_dataloaders(
+        args, accelerator, None, {"train": dataset, "validation": dataset}, tokenizer, task, None, 64
+    )
+    widths += [batch["input_ids"].shape[1] for loader in (train_loader, *eval_loaders.values()) for batch in loader]
 
     monkeypatch.setattr(evaluate_script, "padding_options", as_on_cuda)
     evaluate = evaluate_script.evaluate
@@ -313,4 +316,4 @@ def test_a_line_cut_short_by_a_kill_is_skipped(tmp_path):
 
 def test_evaluate_ignores_a_damaged_args_json(tmp_path):
     (tmp_path / "args.json").write_text("{not json")
-    assert evaluate_script.training_settings(str(tmp_path)) == {}
+    assert evaluate_script.read_record(str(tmp_path)) == {}

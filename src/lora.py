@@ -1,0 +1,144 @@
+"""LoRA (peft): adapters on the frozen backbone, the head trained in full; checkpoints of the trainable weights only;
+a LoRA output folder loaded back on the base model it names."""
+
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+from accelerate.utils import DistributedType
+from peft import LoraConfig, PeftConfig, PeftModel, TaskType, get_peft_model
+from safetensors.torch import load_model as load_safetensors
+from transformers import AutoConfig
+from transformers.pytorch_utils import Conv1D
+
+from src.errors import UserError
+
+ADAPTER_CONFIG = "adapter_config.json"  # peft's file: the folder holds a LoRA adapter and head, not a whole model
+CHECKPOINT_WEIGHTS = "model.safetensors"  # what accelerate's save_state calls the model's weights
+# peft's task type for each Transformers head class (...ForSequenceClassification -> SEQ_CLS).
+TASK_TYPES = {
+    "SequenceClassification": TaskType.SEQ_CLS,
+    "TokenClassification": TaskType.TOKEN_CLS,
+    "CausalLM": TaskType.CAUSAL_LM,
+}
+
+
+def is_adapter_folder(name_or_path) -> bool:
+    return (Path(name_or_path) / ADAPTER_CONFIG).is_file()
+
+
+def head_modules(model) -> list[str]:
+    """The classification head: the modules outside the backbone that have weights (`score` on decoders,
+    `classifier` on BERT, `pre_classifier` and `classifier` on DistilBERT, `classification_head` on BART...)."""
+    return [
+        name
+        for name, module in model.named_children()
+        if module is not model.base_model and next(module.parameters(), None) is not None
+    ]
+
+
+def _head_to_fp32(model):
+    for name in head_modules(model):
+        getattr(model, name).float()
+
+
+def lora_targets(spec: str) -> str | list[str]:
+    """--lora_target_modules: peft's 'all-linear', or the comma-separated module names."""
+    return spec if spec == "all-linear" else [name.strip() for name in spec.split(",") if name.strip()]
+
+
+def add_lora(model, args, accelerator) -> PeftModel:
+    """LoRA adapters on the backbone; the head (new, so nothing to adapt) is trained in full and saved with them.
+
+    With 'all-linear' peft targets every linear layer except those it is told to train in full, i.e. the head.
+    Adapters and head are kept in fp32 (peft upcasts adapters on a bf16/fp16 base; the head is cast here).
+    """
+    head = head_modules(model)
+    _head_to_fp32(model)
+    config = LoraConfig(
+        task_type=TASK_TYPES[model.__class__.__name__.rsplit("For", 1)[-1]],
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=lora_targets(args.lora_target_modules),
+        modules_to_save=head,
+        fan_in_fan_out=any(isinstance(module, Conv1D) for module in model.modules()),  # GPT-2's transposed linears
+    )
+    try:
+        with _peft_reading_deprecated_attributes():
+            model = get_peft_model(model, config)
+    except ValueError as err:
+        reason = " ".join(str(err).split()).split(". ")[0][:200]  # peft's first sentence
+        raise UserError(
+            f"--lora_target_modules {args.lora_target_modules}: {reason}; name linear layers of the backbone "
+            "(e.g. q_proj,v_proj) or use all-linear"
+        ) from err
+    if accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        checkpoint_trainable_weights_only(accelerator)
+    return model
+
+
+def checkpoint_trainable_weights_only(accelerator):
+    """Checkpoints of a LoRA run hold the adapter and head, not another copy of the frozen base model (16 GB for an
+    8B model at every save): its weights come from --model_name_or_path on resume, as at the start.
+
+    accelerate's save/load hooks swap the model's state dict; FSDP and DeepSpeed save their own sharded states.
+    """
+
+    def trainable(model) -> set[str]:
+        return {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+
+    def keep_trainable(models, weights, output_dir):
+        for model, state in zip(models, weights):
+            names = trainable(model)
+            for key in [key for key in state if key not in names]:
+                del state[key]
+
+    def load_trainable(models, input_dir):
+        for model in models:
+            missing, unexpected = load_safetensors(model, Path(input_dir) / CHECKPOINT_WEIGHTS, strict=False)
+            wrong = sorted(unexpected) + sorted(trainable(model) & set(missing))
+            if wrong:
+                raise ValueError(f"its weights are not this LoRA model's ({len(wrong)} keys differ, e.g. {wrong[0]})")
+        models.clear()  # loaded: accelerate must not load them again, strictly, as whole models
+
+    accelerator.register_save_state_pre_hook(keep_trainable)
+    accelerator.register_load_state_pre_hook(load_trainable)
+
+
+def load_adapter_folder(auto_class, folder, dtype, pad_token_id=None, trust_remote_code=False):
+    """A train.py LoRA output: the base model it names, with the folder's config (labels, pad token), adapter, head."""
+    try:
+        adapter = PeftConfig.from_pretrained(folder)
+    except (OSError, ValueError) as err:  # ValueError: a damaged file's JSON error
+        raise UserError(f"{Path(folder) / ADAPTER_CONFIG} cannot be read ({' '.join(str(err).split())[:200]})") from err
+    if not adapter.modules_to_save:
+        raise UserError(f"{folder} holds a LoRA adapter without a trained head: evaluate a train.py output")
+    fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code, **fields)
+    try:
+        base = auto_class.from_pretrained(
+            adapter.base_model_name_or_path,
+            config=config,
+            dtype=dtype,
+            # The base's own head may have another number of labels; the folder's trained head replaces it.
+            ignore_mismatched_sizes=True,
+            trust_remote_code=trust_remote_code,
+        )
+    except (OSError, ValueError, RuntimeError) as err:
+        raise UserError(
+            f"{folder} is a LoRA adapter on {adapter.base_model_name_or_path}, which cannot be loaded "
+            f"({' '.join(str(err).split())[:300]}); the base model must be where training found it, or set "
+            f"base_model_name_or_path in {Path(folder) / ADAPTER_CONFIG} to where it is now"
+        ) from err
+    _head_to_fp32(base)  # as in training, so that the saved fp32 head is not rounded on loading
+    with _peft_reading_deprecated_attributes():
+        return PeftModel.from_pretrained(base, folder)
+
+
+@contextmanager
+def _peft_reading_deprecated_attributes():
+    """peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`: a FutureWarning for peft, not for users."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield

@@ -1,0 +1,115 @@
+"""The model card (README.md) every run writes into its output folder: what was trained on what, the results, the
+settings and how to load the model; the task says what the model does and how to use it."""
+
+from pathlib import Path
+
+from src.glue import GLUE_DATASET
+from src.model import PACKAGED_MODEL
+
+PACKAGED_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what the default model folder holds
+
+
+def write_model_card(output_dir: Path, settings: dict, results: dict, task):
+    """README.md: base model, data, task and labels, final metrics, hyperparameters and how to load the model.
+
+    `settings` is the run's record (args.json); keys it does not know are ignored, missing ones skipped. What the
+    model does, its labels and how to use it come from the task.
+    """
+    output_dir = Path(output_dir)
+    base = _base_model_id(settings.get("model_name_or_path"))
+    base_name = base or settings.get("model_name_or_path")  # a local folder we cannot name is shown as its path
+    data = _describe_data(settings)
+    adapter = (output_dir / "adapter_config.json").is_file()  # a LoRA/PEFT run saved its adapter only
+    where = settings.get("hub_model_id") if settings.get("push_to_hub") else str(output_dir)
+    card = task.model_card(where, base_name, adapter)
+    labels = card["labels"]
+
+    metadata = ["---", f"library_name: {'peft' if adapter else 'transformers'}"]
+    metadata += [f"pipeline_tag: {card['pipeline_tag']}"] if card["pipeline_tag"] else []
+    if base:
+        metadata.append(f"base_model: {base}")
+    if settings.get("dataset_name") or settings.get("task_name"):
+        metadata.append(f"datasets: [{settings.get('dataset_name') or GLUE_DATASET}]")
+    metadata += [f"tags: [{card['pipeline_tag'] or task.name}, accelerate]", "---", ""]
+
+    kind = card["kind"]
+    lines = [
+        f"# {settings.get('hub_model_id') if settings.get('push_to_hub') else output_dir.name}",
+        "",
+        f"Fine-tuned from `{base_name}` on {data} for {kind}, with an Accelerate training script (train.py).",
+        "",
+    ]
+    if labels:
+        lines += ["## Labels", "", "| id | label |", "| --- | --- |"]
+        lines += [f"| {i} | {name} |" for i, name in enumerate(labels)] + [""]
+
+    metrics = {k: v for k, v in results.items() if k.startswith("eval_") and "samples" not in k}
+    if metrics:
+        examples = f" ({results['eval_samples']} examples)" if "eval_samples" in results else ""
+        lines += ["## Results", "", f"On the validation data{examples}, at the end of training:", ""]
+        lines += ["| metric | value |"]
+        lines += ["| --- | --- |"] + [f"| {k.removeprefix('eval_')} | {v:.4g} |" for k, v in metrics.items()] + [""]
+
+    lines += ["## Training", "", "| setting | value |", "| --- | --- |"]
+    for key, value in _hyperparameters(settings, results):
+        lines.append(f"| {key} | {value} |")
+    lines += ["", "Every flag of the run is in `args.json`; the curves are in `training_curves.png`.", ""]
+
+    lines += ["## How to use", "", "```python", *card["usage"]]
+    lines += ["```", ""]
+    (output_dir / "README.md").write_text("\n".join(metadata + lines))
+
+
+def _base_model_id(name: str | None) -> str | None:
+    """The Hub id of the base model, for the card's metadata; None for a local folder we cannot name."""
+    if not name:
+        return None
+    if Path(name, "config.json").is_file():
+        return PACKAGED_MODEL_ID if PACKAGED_MODEL in Path(name).parts else None
+    return name
+
+
+def _describe_data(settings: dict) -> str:
+    if settings.get("task_name"):
+        source = "the Hub" if not settings.get("train_file") else f"local files ({Path(settings['train_file']).name})"
+        return f"GLUE {settings['task_name'].upper()} ({source})"
+    if settings.get("dataset_name"):
+        config = settings.get("dataset_config_name")
+        return f"`{settings['dataset_name']}`" + (f" ({config})" if config else "")
+    if settings.get("train_file"):
+        validation = settings.get("validation_file")
+        return f"`{Path(settings['train_file']).name}`" + (
+            f" (validation: `{Path(validation).name}`)" if validation else ""
+        )
+    return "the built-in synthetic demo task"
+
+
+def _hyperparameters(settings: dict, results: dict) -> list[tuple[str, object]]:
+    rows = [
+        ("learning rate", settings.get("learning_rate")),
+        ("optimizer steps", results.get("global_step")),
+        ("epochs", settings.get("num_train_epochs") if not settings.get("max_train_steps") else None),
+        ("total train batch size", results.get("total_train_batch_size")),
+        ("per-device batch size", settings.get("per_device_train_batch_size")),
+        ("processes", results.get("num_processes")),
+        ("gradient accumulation steps", settings.get("gradient_accumulation_steps")),
+        ("scheduler", settings.get("lr_scheduler_type")),
+        ("warmup", _warmup(settings)),
+        ("weight decay", settings.get("weight_decay")),
+        ("max length", settings.get("max_length")),
+        ("mixed precision", settings.get("mixed_precision")),
+        ("seed", settings.get("seed")),
+    ]
+    if settings.get("class_weights") not in (None, "none"):
+        values = settings.get("class_weight_values") or {}
+        shown = ", ".join(f"{k}: {v:.3g}" for k, v in list(values.items())[:20])
+        rows.append(("class weights", f"{settings['class_weights']} ({shown})" if shown else settings["class_weights"]))
+    if settings.get("use_peft"):
+        rows.append(("PEFT", ", ".join(f"{k}={v}" for k, v in settings.items() if k.startswith("lora_")) or "yes"))
+    return [(key, value) for key, value in rows if value is not None]
+
+
+def _warmup(settings: dict):
+    if settings.get("num_warmup_steps") is not None:
+        return f"{settings['num_warmup_steps']} steps"
+    return f"{settings['warmup_ratio']:.0%} of the steps" if settings.get("warmup_ratio") is not None else None

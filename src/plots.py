@@ -1,0 +1,101 @@
+"""Pictures of a run: training curves, a confusion matrix, predicted against true values."""
+
+from pathlib import Path
+
+
+def pyplot():
+    """matplotlib.pyplot, imported when the first picture is drawn (0.3-0.5 s that start-up need not wait for)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on clusters and CI
+    import matplotlib.pyplot
+
+    return matplotlib.pyplot
+
+
+def plot_training_curves(records: list[dict], path: Path) -> dict[str, tuple[list, list]]:
+    """Training loss, learning rate and every eval_* metric against the optimizer step, one panel each.
+
+    Returns what the figure shows, read back from it: {panel title: (steps, values)}.
+    """
+    plt = pyplot()
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if any(k.startswith("eval_") for k in r)]
+    # Per-label scores (eval_f1/<label>) stay in metrics.jsonl: a panel for each of many labels would not fit.
+    eval_keys = sorted({k for r in evals for k in r if k.startswith("eval_") and k != "eval_samples" and "/" not in k})
+    panels = [("loss", "training loss", train), ("learning_rate", "learning rate", train)]
+    panels += [(key, key.removeprefix("eval_").replace("_", " "), evals) for key in eval_keys]
+    columns = min(3, len(panels))
+    rows = -(-len(panels) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
+    for ax, (key, title, source) in zip(axes.flat, panels):
+        points = [(r["step"], r[key]) for r in source if key in r]
+        if points:
+            steps, values = zip(*points)
+            ax.plot(steps, values, marker="o" if key.startswith("eval_") else None, markersize=4)
+        ax.set_title(title if key == "loss" or key == "learning_rate" else f"validation {title}")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return {
+        ax.get_title(): (list(map(float, line.get_xdata())), list(map(float, line.get_ydata())))
+        for ax in axes.flat
+        for line in ax.lines
+    }
+
+
+def plot_confusion_matrix(labels: list[int], predictions: list[int], names: list[str], path: Path) -> list[list[int]]:
+    """Counts of true (rows) against predicted (columns) classes, with the class names on both axes.
+
+    Returns the counts the picture shows, read back from it.
+    """
+    plt = pyplot()
+    size = len(names)
+    counts = [[0] * size for _ in range(size)]
+    for true, predicted in zip(labels, predictions):
+        counts[true][predicted] += 1
+    side = max(4.0, 0.6 * size + 2)
+    figure, ax = plt.subplots(figsize=(side + 1, side))
+    image = ax.imshow(counts, cmap="Blues")
+    figure.colorbar(image, ax=ax, fraction=0.046)
+    ax.set_xticks(range(size), names, rotation=45 if size > 4 else 0, ha="right" if size > 4 else "center")
+    ax.set_yticks(range(size), names)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    accuracy = sum(counts[i][i] for i in range(size)) / max(1, len(labels))
+    ax.set_title(f"confusion matrix ({len(labels)} examples, accuracy {accuracy:.3f})")
+    peak = max(max(row) for row in counts) or 1
+    if size <= 20:
+        for i in range(size):
+            for j in range(size):
+                color = "white" if counts[i][j] > peak / 2 else "black"
+                ax.text(j, i, counts[i][j], ha="center", va="center", color=color)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return image.get_array().tolist()
+
+
+def plot_regression(labels: list[float], predictions: list[float], path: Path) -> list[list[float]]:
+    """Predicted against true values, with the diagonal where they would be equal.
+
+    Returns the (true, predicted) points the picture shows, read back from it.
+    """
+    plt = pyplot()
+    figure, ax = plt.subplots(figsize=(5, 5))
+    ax.scatter(labels, predictions, s=8, alpha=0.5)
+    low, high = min(labels + predictions), max(labels + predictions)
+    ax.plot([low, high], [low, high], color="grey", linestyle="--", linewidth=1, label="predicted = true")
+    ax.set_xlabel("true")
+    ax.set_ylabel("predicted")
+    ax.set_title(f"predicted vs true ({len(labels)} examples)")
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return ax.collections[0].get_offsets().tolist()

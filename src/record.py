@@ -1,0 +1,37 @@
+"""The run record, args.json: what a run was. evaluate.py, resume and the model card read it.
+
+It holds the flags as given (never --hub_token), what the run settled on (src/plan.py: precision, batch sizes,
+max_length, ...) and what its task needs to be rebuilt (its name or import path, and `Task.record()`: columns,
+label weights, threshold). Folders of earlier versions hold the same keys, without `task`.
+"""
+
+import json
+from pathlib import Path
+
+RECORD_FILE = "args.json"
+DEFAULT_TASK = "sequence-classification"  # what folders written before tasks were recorded hold
+
+
+def run_record(args, plan, task, hub_target=None) -> dict:
+    record = {key: value for key, value in vars(args).items() if key != "hub_token"}
+    record |= plan.as_dict() | task.record() | {"task": task_spec(task)}
+    if hub_target is not None:
+        record["hub_model_id"] = hub_target.repo_id  # resolved to owner/name
+    return {key: str(value) if isinstance(value, Path) else value for key, value in record.items()}
+
+
+def task_spec(task) -> str:
+    """The name `--task` takes for this task: its listed name, or its import path."""
+    from src.tasks import TASKS
+
+    cls = type(task)
+    return cls.name if cls.name in TASKS else f"{cls.__module__}:{cls.__qualname__}"
+
+
+def read_record(folder) -> dict:
+    """A train.py output folder's record, or {} for other folders (a model from elsewhere) and unreadable files."""
+    try:
+        record = json.loads((Path(folder) / RECORD_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}

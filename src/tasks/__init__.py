@@ -1,0 +1,34 @@
+"""The task families, by the name `--task` takes. A task of your own needs no line here:
+`--task my_package.module:MyTask` names it by import path (examples/custom_task.py)."""
+
+import importlib
+
+from src.errors import UserError
+
+TASKS = {
+    "sequence-classification": "src.tasks.sequence_classification:SequenceClassification",
+}
+
+
+def task_class(spec: str):
+    """The Task subclass that `--task` names: a listed name or `module:Class` (the module importable from here)."""
+    path = TASKS.get(spec, spec)
+    module_name, _, class_name = path.partition(":")
+    if not class_name:
+        raise UserError(f"--task {spec}: use one of {', '.join(TASKS)}, or module.path:ClassName for your own task")
+    try:
+        found = getattr(importlib.import_module(module_name), class_name)
+    except ImportError as err:
+        raise UserError(f"--task {spec}: cannot import {module_name} ({err}); is it on PYTHONPATH?") from err
+    except AttributeError as err:
+        raise UserError(f"--task {spec}: {module_name} has no {class_name}") from err
+    from src.tasks.base import Task
+
+    if not (isinstance(found, type) and issubclass(found, Task)):
+        raise UserError(f"--task {spec}: {class_name} is not a subclass of src.tasks.base.Task")
+    return found
+
+
+def detect_task(column_names: list[str], features):
+    """--task auto: the first listed task that recognises the data's columns (sequence classification last)."""
+    return next(cls for cls in map(task_class, TASKS) if cls.recognises(column_names, features))

@@ -1,0 +1,114 @@
+"""The task interface: everything train.py, evaluate.py, the batch-size probe, evaluation and the model card need to
+know about what is learnt. A task family is one subclass in one file; src/tasks/__init__.py lists them.
+
+The defaults here serve Transformers models (`from_pretrained` / `save_pretrained`); a task whose model is a plain
+`nn.Module` overrides `build_model`, `save_model` and `load_model` (examples/custom_task.py).
+"""
+
+from typing import NamedTuple
+
+import torch
+
+
+class Step(NamedTuple):
+    """One batch through the model: the loss summed over its units (examples, or label tokens), how many units that
+    is, and per-example tensors (first dimension: the batch's rows) that evaluation gathers across ranks."""
+
+    loss: torch.Tensor
+    units: torch.Tensor
+    outputs: dict
+
+
+class Task:
+    # The name `--task` uses and args.json records; a task outside src/tasks/ is recorded by its import path.
+    name = ""
+    # The metric that decides the best model when --metric_for_best_model is not given.
+    main_metric = "loss"
+
+    # --- choosing the task ---
+    @staticmethod
+    def add_arguments(parser):
+        """The task's own flags, on train.py's parser."""
+
+    @staticmethod
+    def recognises(column_names: list[str], features) -> bool:
+        """Whether data with these columns is this task's, for --task auto."""
+        return False
+
+    @classmethod
+    def from_data(cls, args, train) -> "Task":
+        """The task as the training rows define it (labels, columns, lengths), before any model is built."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_record(cls, record: dict, args, model_dir, column_names: list[str]) -> "Task":
+        """The task of a trained model, from its run's saved record (args.json, with `record()`'s keys; {} for a
+        model from elsewhere), for evaluate.py on data with these columns."""
+        raise NotImplementedError
+
+    def record(self) -> dict:
+        """What evaluate.py and resume need to rebuild this task (saved in args.json as `task_record`)."""
+        return {}
+
+    def describe(self) -> str:
+        return self.name
+
+    # --- the model ---
+    def load_tokenizer(self, name_or_path: str, args):
+        from src.model import load_tokenizer
+
+        return load_tokenizer(name_or_path, trust_remote_code=args.trust_remote_code)
+
+    def build_model(self, args, tokenizer, mixed_precision: str):
+        """The model to train, weights in fp32 (or, frozen under LoRA, as stored)."""
+        raise NotImplementedError
+
+    def save_model(self, accelerator, model, output_dir, args):
+        from src.model import save_model
+
+        save_model(accelerator, model, output_dir, args.merge_lora, args.trust_remote_code)
+
+    def load_model(self, model_dir, args, tokenizer, mixed_precision: str):
+        """The trained model that `save_model` wrote, for evaluate.py."""
+        raise NotImplementedError
+
+    # --- the data ---
+    def features(self, dataset, tokenizer, max_length: int):
+        """Rows to model inputs, with the row's position (`INDEX_COLUMN`) and token count (`LENGTH_COLUMN`)."""
+        raise NotImplementedError
+
+    def collator(self, tokenizer, pad_to_multiple_of=None, pad_to_length=None):
+        from src.loaders import padding_collator
+
+        return padding_collator(tokenizer, pad_to_multiple_of, pad_to_length)
+
+    # --- one batch: training, evaluation and the batch-size probe all call `step` ---
+    def step(self, model, batch: dict) -> Step:
+        raise NotImplementedError
+
+    def units(self, batch: dict) -> torch.Tensor:
+        """How many units `step` will sum the batch's loss over, known before the forward pass so that the loop can
+        normalise every batch of an optimizer step by the step's units on all ranks: one per example here."""
+        return torch.tensor(len(batch["labels"]), device=batch["labels"].device)
+
+    # --- evaluation ---
+    def metrics(self, columns: dict) -> dict:
+        """Unprefixed metrics from the gathered, row-ordered `Step.outputs` of a whole split."""
+        return {}
+
+    def metric_names(self) -> list[str]:
+        """What `metrics` reports, for --metric_for_best_model (loss is always there)."""
+        return ["loss"]
+
+    def prediction_rows(self, columns: dict) -> dict[str, list]:
+        """predictions.csv's columns after `index`, from the gathered outputs."""
+        return {}
+
+    def write_pictures(self, columns: dict, output_dir) -> list[str]:
+        """Pictures of the predictions that evaluate.py writes; returns their file names."""
+        return []
+
+    # --- the model card ---
+    def model_card(self, where: str, base_name: str, adapter: bool) -> dict:
+        """{'kind': what the model does, 'pipeline_tag', 'labels': names or [], 'usage': lines of Python}."""
+        return {"kind": self.describe(), "pipeline_tag": None, "labels": [], "usage": []}

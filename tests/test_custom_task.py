@@ -1,0 +1,101 @@
+"""A task of one's own, named by import path (examples/custom_task.py: a plain nn.Module): trained on 2 real ranks,
+resumed from a checkpoint, evaluated by evaluate.py, all through the task interface; and the one-line errors."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import LOSS_ATOL, launch, load_script, sentiment_files, train_args
+from safetensors.torch import load_file
+
+from src.args import parse_train_args
+from src.errors import UserError
+from src.tasks import TASKS, task_class
+
+TASK = "examples.custom_task:BagOfWordsClassification"
+
+
+@pytest.fixture(scope="module")
+def custom_runs(tmp_path_factory, tiny_model):
+    """An uninterrupted 2-rank run of the example task, and a second one resumed from the first's step-3 checkpoint.
+
+    Two ranks because that is how the example says to run it: the task's own model must survive DDP's wrapping, the
+    sharded loaders and the gathered evaluation like a Transformers one.
+    """
+    folder = tmp_path_factory.mktemp("custom")
+    train, dev = sentiment_files(folder, 48, 21)
+    flags = ["--task", TASK, "--embedding_dim", "16", "--per_device_train_batch_size", "4", "--max_train_steps", "6",
+             "--checkpointing_steps", "3", "--learning_rate", "5e-3"]  # fmt: skip
+    whole = launch("train.py", train_args(tiny_model, train, dev, folder / "whole", *flags))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    resume = ["--resume_from_checkpoint", str(folder / "whole" / "checkpoint-3")]
+    resumed = launch("train.py", train_args(tiny_model, train, dev, folder / "resumed", *flags, *resume))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return {"whole": folder / "whole", "resumed": folder / "resumed", "dev": dev, "log": resumed.stderr}
+
+
+def test_a_task_of_ones_own_trains_on_two_ranks_and_resumes_exactly(custom_runs):
+    whole, resumed = (load_file(custom_runs[name] / "model.safetensors") for name in ("whole", "resumed"))
+    assert set(whole) == {"embedding.weight", "classifier.weight", "classifier.bias"}  # its own model, saved by it
+    assert "resuming from" in custom_runs["log"]
+    for name in whole:
+        assert torch.equal(whole[name], resumed[name]), name
+    record = json.loads((custom_runs["whole"] / "args.json").read_text())
+    assert record["task"] == TASK and record["embedding_dim"] == 16  # its own flag, in the run record
+
+
+def test_evaluate_py_takes_the_task_from_the_run_record(custom_runs, tmp_path):
+    evaluate = load_script("evaluate")
+    argv = ["--model_name_or_path", str(custom_runs["whole"]), "--validation_file", str(custom_runs["dev"]),
+            "--output_dir", str(tmp_path), "--mixed_precision", "no"]  # fmt: skip
+    metrics = evaluate.main(evaluate.parse_eval_args(argv))
+    trained = json.loads((custom_runs["whole"] / "all_results.json").read_text())
+    assert metrics["eval_samples"] == 21
+    assert metrics["eval_accuracy"] == trained["eval_accuracy"]
+    assert metrics["eval_loss"] == pytest.approx(trained["eval_loss"], abs=LOSS_ATOL)
+    assert (tmp_path / "predictions.csv").read_text().count("\n") == 22
+
+
+@pytest.mark.parametrize("flag", ["--use_peft", "--gradient_checkpointing"])
+def test_features_that_need_a_transformers_model_are_refused_in_one_line(flag, tiny_model, tiny_data, tmp_path):
+    train = load_script("train")
+    args = parse_train_args(train_args(tiny_model, *tiny_data, tmp_path / "out", "--task", TASK, flag))
+    with pytest.raises(UserError, match=f"{flag} needs a Transformers model"):
+        train.main(args)
+
+
+def test_a_task_is_a_listed_name_or_an_import_path():
+    assert task_class("sequence-classification").name == "sequence-classification"
+    assert task_class(TASK).name == "bag-of-words"
+    for wrong, says in [("no_such_module:Task", "cannot import"), ("examples.custom_task:Nope", "has no Nope"),
+                        ("token-classifier", "use one of"), ("src.errors:UserError", "not a subclass")]:  # fmt: skip
+        with pytest.raises(UserError, match=says):
+            task_class(wrong)
+    assert set(TASKS) == {"sequence-classification"}
+
+
+def test_a_tasks_own_flags_exist_only_when_it_is_chosen(tiny_model, tiny_data, tmp_path):
+    base = train_args(tiny_model, *tiny_data, tmp_path / "out")
+    assert parse_train_args([*base, "--task", TASK, "--embedding_dim", "8"]).embedding_dim == 8
+    with pytest.raises(SystemExit):
+        parse_train_args([*base, "--embedding_dim", "8"])  # sequence classification has no such flag
+    with pytest.raises(SystemExit):
+        parse_train_args([*base, "--tas", TASK])  # no prefix matching: --tas is neither --task nor --task_name
+
+
+def test_output_folders_of_earlier_versions_still_evaluate(trained_tiny_model, tiny_data, tmp_path):
+    """Folders written before runs recorded their task hold the same args.json without `task`: sequence
+    classification, as they were. A recorded task that cannot be imported is a one-line error."""
+    evaluate = load_script("evaluate")
+    folder = tmp_path / "old"
+    shutil.copytree(trained_tiny_model, folder)
+    record = json.loads((folder / "args.json").read_text())
+    (folder / "args.json").write_text(json.dumps({k: v for k, v in record.items() if k != "task"}))
+    argv = ["--model_name_or_path", str(folder), "--validation_file", str(tiny_data[1]), "--mixed_precision", "no"]
+    assert evaluate.main(evaluate.parse_eval_args(argv))["eval_samples"] == 37
+    (folder / "args.json").write_text(json.dumps(record | {"task": "gone_package.tasks:MyTask"}))
+    with pytest.raises(
+        UserError, match="was trained with --task gone_package.tasks:MyTask: cannot import gone_package"
+    ):
+        evaluate.main(evaluate.parse_eval_args(argv))
