@@ -88,7 +88,11 @@ def load_data_and_model(args, accelerator):
     with main_process_first(accelerator, args.data_preparation_timeout):
         raw = load_raw_splits(args)
         train = raw["train"]
-        cls = detect_task(train.column_names, train.features) if args.task == "auto" else task_class(args.task)
+        if args.task == "auto":
+            cls, why = detect_task(train)
+            logger.info(f"--task auto: {cls.name}, for {why}")
+        else:
+            cls = task_class(args.task)
         task = cls.from_data(args, train)
         tokenizer = task.load_tokenizer(args.model_name_or_path, args)
         model = task.build_model(args, tokenizer, accelerator.mixed_precision)
@@ -144,6 +148,9 @@ class Run:
     start_time: float = field(default_factory=time.perf_counter)
     eval_metrics: dict = field(default_factory=dict)
     early_stop: str | None = None
+    # This rank's share of the epoch's step losses since they were last added to state.epoch_loss_sum, on the device
+    # so that no step waits for the host.
+    epoch_loss: torch.Tensor = None
 
     @property
     def is_writer(self) -> bool:
@@ -263,6 +270,7 @@ def train_loop(run: Run) -> int | None:
     run.progress = tqdm(total=plan.max_train_steps, initial=state.global_step, desc="Training",
                         disable=not run.accelerator.is_local_main_process)  # fmt: skip
     run.window, run.vote = ThroughputWindow(run.accelerator.device), StopVote(run.accelerator)
+    run.epoch_loss = torch.zeros((), device=run.accelerator.device)
     # A run resumed from its last step has nothing left to train.
     for epoch in range(state.epoch, plan.num_epochs if state.global_step < plan.max_train_steps else 0):
         for batches, batch_in_epoch in optimizer_steps(run, epoch):
@@ -302,6 +310,9 @@ def optimizer_steps(run: Run, epoch: int):
     run.model.train()  # from_pretrained gives a model in eval mode: dropout on
     loader.set_epoch(epoch)  # re-seeds the shuffle; before skip_first_batches for exact resume
     skip = state.batches_in_epoch if epoch == state.epoch else 0
+    if not skip:  # a new epoch: train_loss is the last epoch's
+        state.epoch_loss_sum, state.epoch_steps = 0.0, 0
+        run.epoch_loss.zero_()
     group = []
     for batch_in_epoch, batch in enumerate(skip_first_batches(loader, skip) if skip else loader, start=skip + 1):
         group.append(batch)
@@ -328,6 +339,7 @@ def train_step(run: Run, batches: list[dict]):
             step = task.step(model, batch)
             accelerator.backward(step.loss * scale)
         run.window.add(step, batch)
+        run.epoch_loss += step.loss.detach().float() / units  # summed over ranks: the step's loss
     if run.args.max_grad_norm > 0:
         accelerator.clip_grad_norm_(model.parameters(), run.args.max_grad_norm)
     run.optimizer.step()
@@ -397,8 +409,15 @@ def check_finite(run: Run):
         )
 
 
+def add_epoch_loss(run: Run):
+    """Move the ranks' step losses into the state (a collective), so that checkpoints carry them over a resume."""
+    run.state.epoch_loss_sum += run.accelerator.reduce(run.epoch_loss.clone(), reduction="sum").item()
+    run.epoch_loss.zero_()
+
+
 def checkpoint(run: Run) -> bool:
     check_finite(run)
+    add_epoch_loss(run)
     with run.window.paused():  # throughput counts training time only
         path = save_checkpoint(run.accelerator, run.args.output_dir, run.state.to_dict() | {"args": run.record},
                                run.is_writer, run.args.save_total_limit)  # fmt: skip
@@ -411,6 +430,7 @@ def finish_training(run: Run) -> dict:
     run.progress.close()
     run.window.flush(run.accelerator)  # an early stop can leave rows since the last log out of the totals
     check_finite(run)
+    add_epoch_loss(run)
     train_runtime = time.perf_counter() - run.start_time
     if not run.eval_metrics:  # resumed from the last step: nothing left to train, but the results need metrics
         run.eval_metrics, _ = evaluate(run.model, run.eval_dataloader, run.accelerator, run.task)
@@ -424,6 +444,8 @@ def finish_training(run: Run) -> dict:
         logger.info(f"Loaded the best model ({best}) from {state.best_checkpoint}")
     totals = run.window.totals
     return {
+        # As run_*_no_trainer.py report it: the mean step loss of the last epoch, over every rank.
+        "train_loss": state.epoch_loss_sum / max(1, state.epoch_steps),
         "train_runtime": train_runtime,
         "train_samples_per_second": totals["samples"] / train_runtime,
         "train_tokens_per_second": totals["tokens"] / train_runtime,

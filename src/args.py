@@ -156,9 +156,16 @@ def _steps_or_epoch(text):
 def _add_data_arguments(group, split_help):
     group.add_argument("--dataset_name", help="Hub dataset name, e.g. nyu-mll/glue. Needs network access.")
     group.add_argument("--dataset_config_name", help="Hub dataset configuration, e.g. mrpc.")
-    group.add_argument("--text_column", help="Text column; detected when not given (sentence, text, sentence1, ...).")
+    group.add_argument(
+        "--text_column",
+        "--text_column_name",
+        help="Text column (of word lists for token classification); detected when not given (sentence, text, "
+        "sentence1, ..., tokens).",
+    )
     group.add_argument("--text_pair_column", help="Second text column for pair tasks; detected (e.g. sentence2).")
-    group.add_argument("--label_column", help="Label column; detected when not given (label, labels).")
+    group.add_argument(
+        "--label_column", "--label_column_name", help="Label column; detected when not given (label, labels, ner_tags)."
+    )
     group.add_argument(
         "--max_length",
         type=_positive_int,

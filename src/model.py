@@ -46,10 +46,12 @@ def _load(what, loader, name_or_path, **kwargs):
         ) from err
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, **options):
     """The tokenizer, ready for batches: padding on the right, and a padding token (its EOS token if it has none,
     as Llama's, Mistral's and GPT-2's have none) that is saved with it."""
-    tokenizer = _load("tokenizer", AutoTokenizer.from_pretrained, name_or_path, trust_remote_code=trust_remote_code)
+    tokenizer = _load(
+        "tokenizer", AutoTokenizer.from_pretrained, name_or_path, trust_remote_code=trust_remote_code, **options
+    )
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise UserError(

@@ -13,10 +13,14 @@ class TrainState:
     best_metrics: dict = field(default_factory=dict)  # every evaluation metric at the best one
     best_checkpoint: str | None = None
     evals_without_improvement: int = 0
+    # train_loss: the step losses (over all ranks) of this epoch's steps so far, and how many steps that is.
+    epoch_loss_sum: float = 0.0
+    epoch_steps: int = 0
 
     def advance(self, epoch: int, batches_in_epoch: int):
         """One optimizer step done, after `batches_in_epoch` batches of `epoch`."""
         self.global_step += 1
+        self.epoch_steps += 1
         self.epoch, self.batches_in_epoch = epoch, batches_in_epoch
 
     def improved(self, value: float, greater_is_better: bool) -> bool:

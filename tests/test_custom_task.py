@@ -41,6 +41,13 @@ def test_a_task_of_ones_own_trains_on_two_ranks_and_resumes_exactly(custom_runs)
     assert "resuming from" in custom_runs["log"]
     for name in whole:
         assert torch.equal(whole[name], resumed[name]), name
+    # train_loss, the mean step loss of the epoch, carried across the resume at step 3 of its 6.
+    losses = [
+        json.loads((custom_runs[name] / "all_results.json").read_text())["train_loss"] for name in ("whole", "resumed")
+    ]
+    assert losses[0] == pytest.approx(losses[1], abs=LOSS_ATOL)
+    steps = [json.loads(line) for line in (custom_runs["whole"] / "metrics.jsonl").read_text().splitlines()]
+    assert losses[0] > 0 and len([s for s in steps if "loss" in s]) >= 1
     record = json.loads((custom_runs["whole"] / "args.json").read_text())
     assert record["task"] == TASK and record["embedding_dim"] == 16  # its own flag, in the run record
 
@@ -72,7 +79,7 @@ def test_a_task_is_a_listed_name_or_an_import_path():
                         ("token-classifier", "use one of"), ("src.errors:UserError", "not a subclass")]:  # fmt: skip
         with pytest.raises(UserError, match=says):
             task_class(wrong)
-    assert set(TASKS) == {"sequence-classification"}
+    assert set(TASKS) == {"sequence-classification", "token-classification"}
 
 
 def test_a_tasks_own_flags_exist_only_when_it_is_chosen(tiny_model, tiny_data, tmp_path):

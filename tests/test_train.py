@@ -10,7 +10,17 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import load_script, reference_logits, score_rows, sentiment_rows, tensor_names, train_args, write_rows
+from conftest import (
+    LOSS_ATOL,
+    load_script,
+    reference_logits,
+    run_in_process,
+    score_rows,
+    sentiment_rows,
+    tensor_names,
+    train_args,
+    write_rows,
+)
 from datasets import ClassLabel, Dataset, Features, Value
 from sklearn.metrics import f1_score, matthews_corrcoef
 from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -317,3 +327,13 @@ def test_a_line_cut_short_by_a_kill_is_skipped(tmp_path):
 def test_evaluate_ignores_a_damaged_args_json(tmp_path):
     (tmp_path / "args.json").write_text("{not json")
     assert evaluate_script.read_record(str(tmp_path)) == {}
+
+
+def test_train_loss_is_the_mean_step_loss_of_the_last_epoch(tiny_model, tiny_data, tmp_path):
+    """all_results.json's train_loss, as the peers' scripts report it: each step's loss over all its units, averaged
+    over the last epoch's steps (here logged one by one: --logging_steps 1)."""
+    results = run_in_process("train", train_args(tiny_model, *tiny_data, tmp_path / "out", "--logging_steps", "1"))
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    last_epoch = [r["loss"] for r in logged if "loss" in r and r["epoch"] > 1]  # 64 rows / 8: 8 steps an epoch
+    assert len(last_epoch) == 8
+    assert results["train_loss"] == pytest.approx(sum(last_epoch) / 8, abs=LOSS_ATOL)

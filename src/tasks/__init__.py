@@ -6,6 +6,7 @@ import importlib
 from src.errors import UserError
 
 TASKS = {
+    "token-classification": "src.tasks.token_classification:TokenClassification",
     "sequence-classification": "src.tasks.sequence_classification:SequenceClassification",
 }
 
@@ -29,6 +30,6 @@ def task_class(spec: str):
     return found
 
 
-def detect_task(column_names: list[str], features):
-    """--task auto: the first listed task that recognises the data's columns (sequence classification last)."""
-    return next(cls for cls in map(task_class, TASKS) if cls.recognises(column_names, features))
+def detect_task(train):
+    """--task auto: (the first listed task that recognises the training rows, why); sequence classification last."""
+    return next((cls, why) for cls in map(task_class, TASKS) if (why := cls.recognises(train)))

@@ -31,9 +31,9 @@ class Task:
         """The task's own flags, on train.py's parser."""
 
     @staticmethod
-    def recognises(column_names: list[str], features) -> bool:
-        """Whether data with these columns is this task's, for --task auto."""
-        return False
+    def recognises(train) -> str | None:
+        """For --task auto: why the training rows are this task's data (logged), or None if they are not."""
+        return None
 
     @classmethod
     def from_data(cls, args, train) -> "Task":

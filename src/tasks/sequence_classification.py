@@ -46,8 +46,8 @@ class SequenceClassification(Task):
         )
 
     @staticmethod
-    def recognises(column_names, features) -> bool:
-        return True  # what no other task claims
+    def recognises(train: Dataset) -> str | None:
+        return "no other task's columns: a text and a label per row"  # what no other task claims
 
     @classmethod
     def from_data(cls, args, train: Dataset) -> "SequenceClassification":
@@ -55,6 +55,11 @@ class SequenceClassification(Task):
         of them, regression for floats. `--class_weights balanced` weighs the loss by inverse label frequencies."""
         columns = detect_columns(train.column_names, args.text_column, args.text_pair_column, args.label_column)
         label_column = columns[2]
+        if isinstance(train.features[columns[0]], (List, LargeList)):
+            raise UserError(
+                f"text column {columns[0]!r} holds lists of words: that is token classification (--task auto or "
+                f"token-classification), not {cls.name}; the columns are {', '.join(train.column_names)}"
+            )
         feature = train.features[label_column]
         if isinstance(feature, (List, LargeList)):
             task = cls(MULTI_LABEL, _multi_label_names(train, label_column), threshold=args.multi_label_threshold)

@@ -1,0 +1,275 @@
+"""Token classification: a tag per word (NER in IOB2, POS tags), from a column of word lists and a column of tag lists
+of the same lengths, as transformers' run_ner_no_trainer.py reads them."""
+
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from accelerate.logging import get_logger
+from datasets import ClassLabel, Dataset, LargeList, List, Sequence, Value
+
+from src.errors import UserError
+from src.loaders import INDEX_COLUMN, LENGTH_COLUMN
+from src.tasks.base import Step, Task
+
+logger = get_logger(__name__)
+IGNORE = -100  # the label of special tokens, padding and (without --label_all_tokens) later sub-tokens of a word
+WORD_COLUMNS = ("tokens", "words")
+TAG_COLUMNS = ("ner_tags", "tags", "upos", "pos_tags", "ner", "labels", "label")
+
+
+@dataclass(frozen=True)
+class TokenClassification(Task):
+    label_names: tuple[str, ...] = ()
+    columns: tuple[str, str | None] = ("tokens", "ner_tags")  # words, tags
+    label_all_tokens: bool = False
+    return_entity_level_metrics: bool = False
+
+    name = "token-classification"
+
+    @staticmethod
+    def add_arguments(parser):
+        group = parser.add_argument_group("token classification")
+        group.add_argument(
+            "--label_all_tokens",
+            action="store_true",
+            help="Label every sub-token of a word (B-X becomes I-X after the first), not the first only; the "
+            "metrics then count sub-tokens too, as run_ner_no_trainer.py's do.",
+        )
+        group.add_argument(
+            "--return_entity_level_metrics",
+            action="store_true",
+            help="IOB tags: also precision, recall, F1 and count per entity type (eval_<TYPE>_f1, ...).",
+        )
+
+    @staticmethod
+    def recognises(train: Dataset) -> str | None:
+        found = _word_and_tag_columns(train, None, None)
+        return found and f"a column of word lists ({found[0]!r}) with tag lists of the same lengths ({found[1]!r})"
+
+    @classmethod
+    def from_data(cls, args, train: Dataset) -> "TokenClassification":
+        found = _word_and_tag_columns(train, args.text_column, args.label_column)
+        if found is None:
+            raise UserError(
+                f"token classification needs a column of word lists and one of tag lists of the same lengths; the "
+                f"columns are {', '.join(f'{n} ({t})' for n, t in train.features.items())}: name them with "
+                "--text_column and --label_column, or choose another --task"
+            )
+        words, tags = found
+        feature = train.features[tags].feature
+        names = feature.names if isinstance(feature, ClassLabel) else sorted({t for row in train[tags] for t in row})
+        return cls(tuple(names), found, args.label_all_tokens, args.return_entity_level_metrics)
+
+    @classmethod
+    def from_record(cls, record: dict, args, model_dir, column_names: list[str]) -> "TokenClassification":
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
+        names = tuple(config.id2label[i] for i in range(config.num_labels))
+        words = args.text_column or record.get("text_column")
+        tags = args.label_column or record.get("label_column")
+        columns = (words, tags if tags in column_names else None)
+        if words not in column_names:
+            raise UserError(f"the data has no column {words!r} of words (its columns: {', '.join(column_names)})")
+        return cls(names, columns, record.get("label_all_tokens", False), record.get("return_entity_level_metrics"))
+
+    def record(self) -> dict:
+        return {"text_column": self.columns[0], "label_column": self.columns[1],
+                "label_all_tokens": self.label_all_tokens}  # fmt: skip
+
+    @property
+    def iob(self) -> bool:
+        """Entity tags (O, B-X, I-X), scored by entity with seqeval; other tags (NOUN, VERB) are scored per word."""
+        return all(name == "O" or name[:2] in ("B-", "I-") for name in self.label_names)
+
+    @property
+    def main_metric(self) -> str:
+        return "f1" if self.iob else "accuracy"
+
+    def describe(self) -> str:
+        kind = "IOB entity tags" if self.iob else "tags"
+        return f"token classification into {len(self.label_names)} {kind}"
+
+    # --- the model ---
+    def load_tokenizer(self, name_or_path: str, args):
+        from src.model import load_tokenizer
+
+        tokenizer = load_tokenizer(name_or_path, trust_remote_code=args.trust_remote_code)
+        if getattr(tokenizer, "add_prefix_space", None) is False:
+            # Byte-level BPE (GPT-2, RoBERTa) reads a word differently at the start of a text and after a space; words
+            # given one by one need the space (transformers #9607).
+            tokenizer = load_tokenizer(name_or_path, trust_remote_code=args.trust_remote_code, add_prefix_space=True)
+        return tokenizer
+
+    def config_fields(self) -> dict:
+        return {"num_labels": len(self.label_names), "id2label": dict(enumerate(self.label_names)),
+                "label2id": {name: i for i, name in enumerate(self.label_names)}}  # fmt: skip
+
+    def build_model(self, args, tokenizer, mixed_precision: str):
+        from transformers import AutoModelForTokenClassification
+
+        from src.model import load_model
+
+        return load_model(
+            AutoModelForTokenClassification, args.model_name_or_path, self.config_fields(),
+            pad_token_id=tokenizer.pad_token_id, lora=args.use_peft, mixed_precision=mixed_precision,
+            trust_remote_code=args.trust_remote_code, ignore_mismatched_sizes=args.ignore_mismatched_sizes,
+        )  # fmt: skip
+
+    def load_model(self, model_dir, args, tokenizer, mixed_precision: str):
+        from transformers import AutoModelForTokenClassification
+
+        from src.model import load_trained_model
+
+        return load_trained_model(
+            AutoModelForTokenClassification, model_dir, tokenizer.pad_token_id, mixed_precision,
+            args.trust_remote_code,
+        )  # fmt: skip
+
+    # --- the data ---
+    def features(self, dataset: Dataset, tokenizer, max_length: int) -> Dataset:
+        """Sub-token ids and, per sub-token, the tag of its word on its first sub-token (every sub-token with
+        --label_all_tokens, B- turned I- after the first) and -100 elsewhere. Words cut off by --max_length are
+        counted and reported: they have no prediction, so the metrics leave them out."""
+        words_column, tags_column = self.columns
+        if tags_column and tags_column not in dataset.column_names:
+            tags_column = None
+        tag_id = {name: i for i, name in enumerate(self.label_names)}
+        names = dataset.features[tags_column].feature.names if tags_column and isinstance(
+            dataset.features[tags_column].feature, ClassLabel) else None  # fmt: skip
+        inside = [tag_id.get("I-" + name[2:], tag_id[name]) if name.startswith("B-") else tag_id[name]
+                  for name in self.label_names]  # fmt: skip
+        cut = [0, 0]  # words cut off, examples with a word cut off
+
+        def encode(rows, indices):
+            encoded = tokenizer(rows[words_column], is_split_into_words=True, truncation=True, max_length=max_length)
+            encoded[INDEX_COLUMN] = indices
+            encoded[LENGTH_COLUMN] = [len(ids) for ids in encoded["input_ids"]]
+            all_labels = []
+            for row, words in enumerate(rows[words_column]):
+                word_ids = encoded.word_ids(row)
+                kept = max((w for w in word_ids if w is not None), default=-1) + 1
+                if kept < len(words):
+                    cut[0], cut[1] = cut[0] + len(words) - kept, cut[1] + 1
+                if tags_column is None:
+                    continue
+                tags = rows[tags_column][row]
+                unknown = {t for t in tags if (names[t] if names else t) not in tag_id}
+                if unknown:
+                    raise UserError(f"tag(s) {', '.join(sorted(map(str, unknown))[:10])} in column {tags_column!r} "
+                                    f"are not among the model's ({', '.join(self.label_names)})")  # fmt: skip
+                ids = [tag_id[names[t] if names else t] for t in tags]
+                labels, previous = [], None
+                for word in word_ids:
+                    if word is None:
+                        labels.append(IGNORE)
+                    elif word != previous:
+                        labels.append(ids[word])
+                    else:
+                        labels.append(inside[ids[word]] if self.label_all_tokens else IGNORE)
+                    previous = word
+                all_labels.append(labels)
+            if tags_column is not None:
+                encoded["labels"] = all_labels
+            return encoded
+
+        features = dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
+                               desc="Tokenizing", load_from_cache_file=False)  # fmt: skip
+        if cut[0]:
+            logger.warning(f"{cut[0]} word(s) in {cut[1]} of {len(dataset)} examples do not fit in --max_length "
+                           f"{max_length} sub-tokens: they get no tag and are left out of the metrics; raise "
+                           "--max_length to score them")  # fmt: skip
+        return features
+
+    def collator(self, tokenizer, pad_to_multiple_of=None, pad_to_length=None):
+        from transformers import DataCollatorForTokenClassification
+
+        padding = {"padding": "max_length", "max_length": pad_to_length} if pad_to_length else {}
+        return DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of, **padding)
+
+    # --- one batch ---
+    def units(self, batch: dict) -> torch.Tensor:
+        return (batch["labels"] != IGNORE).sum()
+
+    def step(self, model, batch: dict) -> Step:
+        """The cross-entropy of every labelled sub-token, summed; per example its tags, predictions, summed loss
+        and labelled sub-tokens."""
+        labels = batch.pop("labels", None)
+        logits = model(**batch)["logits"].float()
+        outputs = {"prediction": logits.argmax(-1)}
+        if labels is None:
+            return Step(logits.new_zeros(()), logits.new_zeros(()), outputs)
+        losses = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
+        units = (labels != IGNORE).sum(-1)
+        outputs |= {"label": labels, "loss": losses.sum(-1), "units": units}
+        return Step(losses.sum(), units.sum(), outputs)
+
+    # --- evaluation ---
+    def tag_rows(self, columns: dict) -> tuple[list[list[str]], list[list[str]]]:
+        """(true tags, predicted tags) per example, at the labelled positions."""
+        names, true, predicted = self.label_names, [], []
+        for labels, predictions in zip(columns["label"].tolist(), columns["prediction"].tolist()):
+            kept = [(label, prediction) for label, prediction in zip(labels, predictions) if label != IGNORE]
+            true.append([names[label] for label, _ in kept])
+            predicted.append([names[prediction] for _, prediction in kept])
+        return true, predicted
+
+    def metric_names(self) -> list[str]:
+        return ["precision", "recall", "f1", "accuracy", "loss"] if self.iob else ["accuracy", "f1", "loss"]
+
+    def metrics(self, columns: dict) -> dict:
+        from src.metrics import load_metric
+
+        true, predicted = self.tag_rows(columns)
+        metric = load_metric("token_scores", "iob" if self.iob else "tags")
+        scores = metric.compute(predictions=predicted, references=true)
+        by_entity = scores.pop("by_entity", {})
+        if self.return_entity_level_metrics:
+            scores |= {
+                f"{entity}_{key}": value for entity, values in by_entity.items() for key, value in values.items()
+            }
+        return scores
+
+    def prediction_rows(self, columns: dict) -> dict[str, list]:
+        true, predicted = self.tag_rows(columns)
+        return {"label": [json.dumps(row) for row in true], "prediction": [json.dumps(row) for row in predicted]}
+
+    # --- the model card ---
+    def model_card(self, where: str, base_name: str, adapter: bool) -> dict:
+        usage = ["from transformers import pipeline", "",
+                 f'tagger = pipeline("token-classification", model="{where}", aggregation_strategy="first")',
+                 'print(tagger("Your text here"))']  # fmt: skip
+        return {"kind": self.describe(), "pipeline_tag": "token-classification", "labels": list(self.label_names),
+                "usage": usage}  # fmt: skip
+
+
+def _is_word_lists(feature) -> bool:
+    return isinstance(feature, (List, LargeList, Sequence)) and isinstance(feature.feature, Value) and (
+        feature.feature.dtype in ("string", "large_string"))  # fmt: skip
+
+
+def _is_tag_lists(feature) -> bool:
+    return isinstance(feature, (List, LargeList, Sequence)) and (
+        isinstance(feature.feature, ClassLabel) or _is_word_lists(feature))  # fmt: skip
+
+
+def _word_and_tag_columns(train: Dataset, words: str | None, tags: str | None) -> tuple[str, str] | None:
+    """The column of word lists and the column of tag lists (the given ones, else the usual names, else the first
+    such columns, as run_ner_no_trainer.py falls back to), if every row has as many tags as words."""
+    features = train.features
+    if words is None:
+        candidates = [name for name, feature in features.items() if _is_word_lists(feature)]
+        words = next((name for name in WORD_COLUMNS if name in candidates), candidates[0] if candidates else None)
+    if words is None or words not in features or not _is_word_lists(features[words]):
+        return None
+    if tags is None:
+        candidates = [name for name, feature in features.items() if name != words and _is_tag_lists(feature)]
+        tags = next((name for name in TAG_COLUMNS if name in candidates), candidates[0] if candidates else None)
+    if tags is None or tags not in features or not _is_tag_lists(features[tags]):
+        return None
+    sample = train.select(range(min(len(train), 1000)))
+    if any(len(w) != len(t) for w, t in zip(sample[words], sample[tags])):
+        return None
+    return words, tags

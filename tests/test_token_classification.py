@@ -1,0 +1,166 @@
+"""Token classification through the task interface: detection, label alignment, truncation, IOB and plain-tag metrics,
+evaluate.py, and the gathered predictions on 3 ranks equal to 1 rank's."""
+
+import csv
+import json
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+from accelerate import PartialState
+from conftest import REPO, launch, load_script, run_in_process, train_args
+from datasets import Dataset
+
+from src.errors import UserError
+from src.model import default_model_path, load_tokenizer
+from src.tasks import detect_task
+from src.tasks.token_classification import IGNORE, TokenClassification
+
+SHARED = REPO.parent / "shared" / "data"
+UNER, UD = SHARED / "uner_en_ewt", SHARED / "ud_en_ewt"
+
+
+def jsonl_rows(path: Path, count: int, folder: Path, rename: dict | None = None) -> Path:
+    """The first `count` rows of a shared data file, in the test's folder (columns renamed as asked)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:count]]
+    rows = [{(rename or {}).get(k, k): v for k, v in row.items()} for row in rows]
+    out = folder / f"{path.parent.name}_{path.stem}_{count}.jsonl"
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return out
+
+
+def flags(**values):
+    defaults = {"text_column": None, "label_column": None, "label_all_tokens": False,
+                "return_entity_level_metrics": False}  # fmt: skip
+    return types.SimpleNamespace(**(defaults | values))
+
+
+def test_auto_finds_word_and_tag_lists_by_any_name():
+    data = Dataset.from_list([{"id": 1, "words": ["New", "York"], "ner": ["B-LOC", "I-LOC"]}])
+    cls, why = detect_task(data)
+    assert cls is TokenClassification and "'words'" in why and "'ner'" in why
+    assert TokenClassification.from_data(flags(), data).columns == ("words", "ner")
+    sentences = Dataset.from_list([{"text": "New York", "labels": ["B-LOC", "I-LOC"]}])  # multi-label, not words
+    assert detect_task(sentences)[0].name == "sequence-classification"
+    uneven = Dataset.from_list([{"tokens": ["New", "York"], "ner_tags": ["B-LOC"]}])  # tags do not match words
+    assert detect_task(uneven)[0].name == "sequence-classification"
+
+
+def test_labels_go_on_the_first_sub_token_of_each_word():
+    tokenizer = load_tokenizer(default_model_path())
+    data = Dataset.from_list(
+        [{"tokens": ["Kowalczyk", "visited", "Antananarivo"], "ner_tags": ["B-PER", "O", "B-LOC"]}]
+    )
+    names = ("B-LOC", "B-PER", "I-LOC", "I-PER", "O")
+    first, every = (TokenClassification(names, ("tokens", "ner_tags"), label_all_tokens=flag) for flag in (0, 1))
+    row = first.features(data, tokenizer, 128)[0]
+    word_ids = tokenizer(data[0]["tokens"], is_split_into_words=True).word_ids()
+    assert len(set(word_ids) - {None}) == 3 and len(word_ids) > 5  # the names split into several sub-tokens
+    expected, previous = [], None
+    for word in word_ids:
+        expected.append(IGNORE if word is None or word == previous else names.index(data[0]["ner_tags"][word]))
+        previous = word
+    assert row["labels"] == expected
+    inside = every.features(data, tokenizer, 128)[0]["labels"]  # later sub-tokens of B-PER become I-PER
+    assert [names[i] for i in inside if i != IGNORE] == ["B-PER"] + ["I-PER"] * (word_ids.count(0) - 1) + ["O"] + [
+        "B-LOC"] + ["I-LOC"] * (word_ids.count(2) - 1)  # fmt: skip
+
+
+def test_words_cut_off_by_max_length_are_counted(caplog):
+    tokenizer = load_tokenizer(default_model_path())
+    data = Dataset.from_list([{"tokens": ["a"] * 20, "ner_tags": ["O"] * 20}, {"tokens": ["b"], "ner_tags": ["O"]}])
+    task = TokenClassification(("O",), ("tokens", "ner_tags"))
+    PartialState(cpu=True)  # accelerate's logger, which says it on the main process only
+    with caplog.at_level("WARNING"):
+        task.features(data, tokenizer, 8)  # [CLS] + 6 words + [SEP]
+    assert "14 word(s) in 1 of 2 examples do not fit in --max_length 8" in caplog.text
+
+
+def test_a_task_that_does_not_fit_the_data_is_one_line(tmp_path, tiny_model):
+    train = jsonl_rows(UNER / "train.jsonl", 20, tmp_path)
+    with pytest.raises(UserError, match="text column 'tokens' holds lists of words: that is token classification"):
+        forced = ["--task", "sequence-classification", "--text_column", "tokens", "--label_column", "ner_tags"]
+        run_in_process("train", [*train_args(tiny_model, train, train, tmp_path / "o"), *forced])
+    sentences = tmp_path / "s.csv"
+    sentences.write_text("text,label\nhello,a\nbye,b\n")
+    with pytest.raises(UserError, match="token classification needs a column of word lists .* text \\(Value"):
+        run_in_process("train", [*train_args(tiny_model, sentences, sentences, tmp_path / "p"), "--task",
+                                 "token-classification"])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ner_run(tmp_path_factory, tiny_model):
+    folder = tmp_path_factory.mktemp("ner")
+    train, dev = jsonl_rows(UNER / "train.jsonl", 64, folder), jsonl_rows(UNER / "validation.jsonl", 29, folder)
+    results = run_in_process("train", train_args(tiny_model, train, dev, folder / "out", "--num_train_epochs", "1",
+                                                 "--return_entity_level_metrics", "--max_length", "24"))  # fmt: skip
+    return {"results": results, "dev": dev, "out": folder / "out"}
+
+
+def test_ner_reports_entity_level_metrics_and_evaluate_py_reproduces_them(ner_run, tmp_path):
+    results, record = ner_run["results"], json.loads((ner_run["out"] / "args.json").read_text())
+    assert record["task"] == "token-classification" and record["text_column"] == "tokens"
+    for key in ("eval_precision", "eval_recall", "eval_f1", "eval_accuracy", "eval_loss", "eval_LOC_f1"):
+        assert key in results, key
+    assert results["eval_samples"] == 29
+    evaluate = load_script("evaluate")
+    argv = ["--model_name_or_path", str(ner_run["out"]), "--validation_file", str(ner_run["dev"]), "--output_dir",
+            str(tmp_path), "--mixed_precision", "no", "--per_device_eval_batch_size", "8"]  # fmt: skip
+    metrics = evaluate.main(evaluate.parse_eval_args(argv))
+    for key in ("eval_precision", "eval_recall", "eval_f1", "eval_accuracy", "eval_samples"):
+        assert metrics[key] == results[key], key
+    rows = list(csv.DictReader((tmp_path / "predictions.csv").open()))
+    gold = [json.loads(line)["ner_tags"] for line in ner_run["dev"].read_text().splitlines()]
+    assert len(rows) == 29 and all(
+        json.loads(r["label"]) == g[: len(json.loads(r["label"]))] for r, g in zip(rows, gold)
+    )
+
+
+def test_three_ranks_gather_every_example_once_as_one_rank_does(ner_run, tmp_path):
+    """29 examples on 3 ranks with batches of 4: an uneven last batch, and ranks whose outputs have other lengths."""
+    argv = ["--model_name_or_path", str(ner_run["out"]), "--validation_file", str(ner_run["dev"]),
+            "--mixed_precision", "no", "--per_device_eval_batch_size", "4"]  # fmt: skip
+    run_in_process("evaluate", [*argv, "--output_dir", str(tmp_path / "one")])
+    result = launch("evaluate.py", [*argv, "--output_dir", str(tmp_path / "three")], num_processes=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("eval_results.json", "predictions.csv"):
+        assert (tmp_path / "one" / name).read_text() == (tmp_path / "three" / name).read_text(), name
+
+
+def test_plain_tags_are_scored_per_word(tmp_path, tiny_model):
+    train = jsonl_rows(UD / "train.jsonl", 48, tmp_path)
+    dev = jsonl_rows(UD / "train.jsonl", 16, tmp_path)  # tags the training rows have (17 UPOS tags, not all in 48)
+    results = run_in_process("train", train_args(tiny_model, train, dev, tmp_path / "out", "--num_train_epochs", "1"))
+    assert {"eval_accuracy", "eval_f1"} <= set(results) and "eval_precision" not in results
+    record = json.loads((tmp_path / "out" / "args.json").read_text())
+    assert record["metric_for_best_model"] == "accuracy" and record["label_column"] == "upos"
+
+
+def test_lora_trains_the_tagging_head_in_full_and_evaluate_py_reproduces_it(tiny_decoders, tmp_path):
+    train, dev = jsonl_rows(UNER / "train.jsonl", 32, tmp_path), jsonl_rows(UNER / "validation.jsonl", 13, tmp_path)
+    lora = ["--use_peft", "--lora_target_modules", "q_proj,v_proj", "--num_train_epochs", "1"]
+    results = run_in_process("train", train_args(tiny_decoders["llama"], train, dev, tmp_path / "out", *lora))
+    saved = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert saved["task_type"] == "TOKEN_CLS" and "score" in saved["modules_to_save"]  # the head, in full
+    argv = ["--model_name_or_path", str(tmp_path / "out"), "--validation_file", str(dev), "--output_dir",
+            str(tmp_path / "eval"), "--mixed_precision", "no", "--per_device_eval_batch_size", "8"]  # fmt: skip
+    metrics = run_in_process("evaluate", argv)
+    for key in ("eval_f1", "eval_accuracy", "eval_samples"):
+        assert metrics[key] == results[key], key
+    assert metrics["eval_loss"] == pytest.approx(results["eval_loss"], rel=1e-6)
+
+
+def test_byte_level_tokenizers_read_words_with_a_leading_space(tiny_decoders, tmp_path):
+    """GPT-2 and RoBERTa read a word after a space otherwise than at the start of a text: words given one by one need
+    add_prefix_space (transformers #9607), which the task turns on when the tokenizer has it off."""
+    folder = tmp_path / "gpt2"
+    shutil.copytree(tiny_decoders["gpt2"], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": "GPT2Tokenizer"}))
+    plain = load_tokenizer(str(folder))
+    task = TokenClassification(("O",), ("tokens", "ner_tags"))
+    tokenizer = task.load_tokenizer(str(folder), types.SimpleNamespace(trust_remote_code=False))
+    for loaded, spaces in ((plain, 0), (tokenizer, 2)):  # "Ġ": the space before a word
+        tokens = loaded.convert_ids_to_tokens(loaded(["York", "York"], is_split_into_words=True)["input_ids"])
+        assert tokens.count("Ġ") == spaces, tokens
