@@ -85,9 +85,8 @@ def main(args):
         tokenizer = task.load_tokenizer(args.model_name_or_path, args)
         model = task.load_model(args.model_name_or_path, args, tokenizer, accelerator.mixed_precision)
         # The training run's --max_length unless told otherwise: texts cut elsewhere get other predictions.
-        max_length = resolve_max_length(
-            args.max_length or record.get("max_length"), tokenizer, getattr(model, "config", None)
-        )
+        max_length = resolve_max_length(args.max_length or record.get("max_length"), tokenizer,
+                                        getattr(model, "config", None), default=task.default_max_length)  # fmt: skip
         dataset = task.features(data, tokenizer, max_length)
 
     collator = task.collator(tokenizer, **padding_options(accelerator.device))  # as train.py pads

@@ -97,7 +97,9 @@ def load_data_and_model(args, accelerator):
         tokenizer = task.load_tokenizer(args.model_name_or_path, args)
         model = task.build_model(args, tokenizer, accelerator.mixed_precision)
         model = prepare_for_training(model, args, accelerator)  # gradient checkpointing and LoRA, if asked
-        max_length = resolve_max_length(args.max_length, tokenizer, getattr(model, "config", None))
+        max_length = resolve_max_length(
+            args.max_length, tokenizer, getattr(model, "config", None), default=task.default_max_length
+        )
         # 'train', 'validation' and any further validation split (MNLI's 'validation_mismatched').
         splits = {name: task.features(split, tokenizer, max_length) for name, split in raw.items()}
     return task, tokenizer, splits, model, max_length

@@ -20,6 +20,7 @@ FILE_BUILDERS = {
     ".json": ("json", {}),
     ".jsonl": ("json", {}),
     ".parquet": ("parquet", {}),
+    ".txt": ("text", {"keep_linebreaks": True}),  # a `text` column, a row per line: causal-LM text
 }
 SINGLE_TEXT_COLUMNS = ("sentence", "text")
 TEXT_PAIR_COLUMNS = (

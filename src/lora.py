@@ -30,6 +30,8 @@ def is_adapter_folder(name_or_path) -> bool:
 def head_modules(model) -> list[str]:
     """The classification head: the modules outside the backbone that have weights (`score` on decoders,
     `classifier` on BERT, `pre_classifier` and `classifier` on DistilBERT, `classification_head` on BART...)."""
+    if type(model).__name__.endswith("ForCausalLM"):
+        return []  # the LM head is the pretrained one, adapted through the backbone, not retrained in full
     return [
         name
         for name, module in model.named_children()
@@ -112,7 +114,7 @@ def load_adapter_folder(auto_class, folder, dtype, pad_token_id=None, trust_remo
         adapter = PeftConfig.from_pretrained(folder)
     except (OSError, ValueError) as err:  # ValueError: a damaged file's JSON error
         raise UserError(f"{Path(folder) / ADAPTER_CONFIG} cannot be read ({' '.join(str(err).split())[:200]})") from err
-    if not adapter.modules_to_save:
+    if not adapter.modules_to_save and adapter.task_type != TaskType.CAUSAL_LM:
         raise UserError(f"{folder} holds a LoRA adapter without a trained head: evaluate a train.py output")
     fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code, **fields)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 from accelerate import PartialState
-from conftest import REPO, launch, load_script, run_in_process, train_args
+from conftest import REPO, WEIGHTS_ATOL, launch, load_script, run_in_process, train_args
 from datasets import Dataset
+from safetensors.torch import load_file
 
 from src.errors import UserError
 from src.model import default_model_path, load_tokenizer
@@ -164,3 +165,19 @@ def test_byte_level_tokenizers_read_words_with_a_leading_space(tiny_decoders, tm
     for loaded, spaces in ((plain, 0), (tokenizer, 2)):  # "Ġ": the space before a word
         tokens = loaded.convert_ids_to_tokens(loaded(["York", "York"], is_split_into_words=True)["input_ids"])
         assert tokens.count("Ġ") == spaces, tokens
+
+
+def test_accumulated_steps_weigh_every_label_token_alike(tiny_model_no_dropout, tmp_path):
+    """Sentences have different numbers of tagged sub-tokens, so 2 batches of 4 accumulated equal 1 batch of 8 only
+    when each batch's summed loss is divided by the whole step's tokens (a mean per batch would weigh the tokens of a
+    short batch more). The same 8 sentences make each step either way (the sampler deals by optimizer step)."""
+    train, dev = jsonl_rows(UNER / "train.jsonl", 32, tmp_path), jsonl_rows(UNER / "validation.jsonl", 8, tmp_path)
+    weights = {}
+    for name, sizes in {"one": ["8", "1"], "accumulated": ["4", "2"]}.items():
+        batches = ["--per_device_train_batch_size", sizes[0], "--gradient_accumulation_steps", sizes[1]]
+        argv = train_args(tiny_model_no_dropout, train, dev, tmp_path / name, *batches, "--num_train_epochs", "1")
+        run_in_process("train", argv)
+        weights[name] = load_file(tmp_path / name / "model.safetensors")
+    assert (
+        max((weights["one"][k] - weights["accumulated"][k]).abs().max().item() for k in weights["one"]) < WEIGHTS_ATOL
+    )

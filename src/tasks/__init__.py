@@ -7,6 +7,7 @@ from src.errors import UserError
 
 TASKS = {
     "token-classification": "src.tasks.token_classification:TokenClassification",
+    "causal-lm": "src.tasks.causal_lm:CausalLM",
     "sequence-classification": "src.tasks.sequence_classification:SequenceClassification",
 }
 

@@ -24,6 +24,9 @@ class Task:
     name = ""
     # The metric that decides the best model when --metric_for_best_model is not given.
     main_metric = "loss"
+    # The Transformers Auto class of the task's models (the default build_model and load_model use it).
+    auto_class = ""
+    default_max_length = 128  # --max_length when not given (or the model's limit if less)
 
     # --- choosing the task ---
     @staticmethod
@@ -59,9 +62,21 @@ class Task:
 
         return load_tokenizer(name_or_path, trust_remote_code=args.trust_remote_code)
 
+    def config_fields(self) -> dict:
+        """What the model's config must carry for this task (number of labels, their names)."""
+        return {}
+
     def build_model(self, args, tokenizer, mixed_precision: str):
         """The model to train, weights in fp32 (or, frozen under LoRA, as stored)."""
-        raise NotImplementedError
+        import transformers
+
+        from src.model import load_model
+
+        return load_model(
+            getattr(transformers, self.auto_class), args.model_name_or_path, self.config_fields(),
+            pad_token_id=tokenizer.pad_token_id, lora=args.use_peft, mixed_precision=mixed_precision,
+            trust_remote_code=args.trust_remote_code, ignore_mismatched_sizes=args.ignore_mismatched_sizes,
+        )  # fmt: skip
 
     def save_model(self, accelerator, model, output_dir, args):
         from src.model import save_model
@@ -70,7 +85,12 @@ class Task:
 
     def load_model(self, model_dir, args, tokenizer, mixed_precision: str):
         """The trained model that `save_model` wrote, for evaluate.py."""
-        raise NotImplementedError
+        import transformers
+
+        from src.model import load_trained_model
+
+        return load_trained_model(getattr(transformers, self.auto_class), model_dir, tokenizer.pad_token_id,
+                                  mixed_precision, args.trust_remote_code)  # fmt: skip
 
     # --- the data ---
     def features(self, dataset, tokenizer, max_length: int):

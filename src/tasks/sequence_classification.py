@@ -31,6 +31,7 @@ class SequenceClassification(Task):
     threshold: float = 0.5  # multi-label: a label is predicted when its probability is above this
     columns: tuple[str | None, str | None, str | None] = (None, None, None)  # text, text pair, label
 
+    auto_class = "AutoModelForSequenceClassification"
     name = "sequence-classification"
 
     @staticmethod
@@ -167,27 +168,6 @@ class SequenceClassification(Task):
         if not self.is_regression:
             fields.update(id2label=dict(enumerate(self.label_names)), label2id=self.label2id)
         return fields
-
-    def build_model(self, args, tokenizer, mixed_precision: str):
-        from transformers import AutoModelForSequenceClassification
-
-        from src.model import load_model
-
-        return load_model(
-            AutoModelForSequenceClassification, args.model_name_or_path, self.config_fields(),
-            pad_token_id=tokenizer.pad_token_id, lora=args.use_peft, mixed_precision=mixed_precision,
-            trust_remote_code=args.trust_remote_code, ignore_mismatched_sizes=args.ignore_mismatched_sizes,
-        )  # fmt: skip
-
-    def load_model(self, model_dir, args, tokenizer, mixed_precision: str):
-        from transformers import AutoModelForSequenceClassification
-
-        from src.model import load_trained_model
-
-        return load_trained_model(
-            AutoModelForSequenceClassification, model_dir, tokenizer.pad_token_id, mixed_precision,
-            args.trust_remote_code,
-        )  # fmt: skip
 
     # --- the data ---
     def features(self, dataset: Dataset, tokenizer, max_length: int) -> Dataset:

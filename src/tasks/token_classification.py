@@ -26,6 +26,7 @@ class TokenClassification(Task):
     label_all_tokens: bool = False
     return_entity_level_metrics: bool = False
 
+    auto_class = "AutoModelForTokenClassification"
     name = "token-classification"
 
     @staticmethod
@@ -106,27 +107,6 @@ class TokenClassification(Task):
     def config_fields(self) -> dict:
         return {"num_labels": len(self.label_names), "id2label": dict(enumerate(self.label_names)),
                 "label2id": {name: i for i, name in enumerate(self.label_names)}}  # fmt: skip
-
-    def build_model(self, args, tokenizer, mixed_precision: str):
-        from transformers import AutoModelForTokenClassification
-
-        from src.model import load_model
-
-        return load_model(
-            AutoModelForTokenClassification, args.model_name_or_path, self.config_fields(),
-            pad_token_id=tokenizer.pad_token_id, lora=args.use_peft, mixed_precision=mixed_precision,
-            trust_remote_code=args.trust_remote_code, ignore_mismatched_sizes=args.ignore_mismatched_sizes,
-        )  # fmt: skip
-
-    def load_model(self, model_dir, args, tokenizer, mixed_precision: str):
-        from transformers import AutoModelForTokenClassification
-
-        from src.model import load_trained_model
-
-        return load_trained_model(
-            AutoModelForTokenClassification, model_dir, tokenizer.pad_token_id, mixed_precision,
-            args.trust_remote_code,
-        )  # fmt: skip
 
     # --- the data ---
     def features(self, dataset: Dataset, tokenizer, max_length: int) -> Dataset:

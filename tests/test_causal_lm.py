@@ -1,0 +1,99 @@
+"""Causal-LM fine-tuning through the task interface: which tokens are learnt in each format (text, prompt/completion,
+chat), EOS kept though it pads, the formats found from the data, and a LoRA run that evaluate.py reproduces."""
+
+import json
+import types
+
+import pytest
+from conftest import REPO, run_in_process, train_args
+from datasets import Dataset
+
+from src.errors import UserError
+from src.model import load_tokenizer
+from src.tasks import detect_task
+from src.tasks.causal_lm import CHAT, IGNORE, PROMPT_COMPLETION, TEXT, CausalLM
+
+SFT = REPO.parent / "shared" / "data" / "alpaca_eval_sft"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_decoders):
+    """The tiny Llama's: no padding token of its own, so it pads with EOS, as Llama's does."""
+    loaded = load_tokenizer(str(tiny_decoders["llama"]))
+    assert loaded.pad_token_id == loaded.eos_token_id
+    return loaded
+
+
+def learnt(tokenizer, ids, labels) -> str:
+    return tokenizer.decode([i for i, label in zip(ids, labels) if label != IGNORE])
+
+
+def test_prompt_completion_learns_the_completion_and_its_eos_only(tokenizer):
+    data = Dataset.from_list([{"prompt": "the plot was good", "completion": "yes it was"},
+                              {"prompt": "the acting", "completion": "no"}])  # fmt: skip
+    features = CausalLM(PROMPT_COMPLETION).features(data, tokenizer, 64)
+    row = features[0]
+    prompt = len(tokenizer("the plot was good")["input_ids"])
+    assert row["labels"][:prompt] == [IGNORE] * prompt
+    assert row["labels"][prompt:] == row["input_ids"][prompt:] and row["input_ids"][-1] == tokenizer.eos_token_id
+    collator = CausalLM(PROMPT_COMPLETION).collator(tokenizer)
+    batch = collator([{k: r[k] for k in ("input_ids", "attention_mask", "labels")} for r in features])
+    short = batch["labels"][1].tolist()
+    # The short example's EOS is learnt, though the padding after it is the same token: labels are padded by place.
+    assert short[len(features[1]["labels"]) - 1] == tokenizer.eos_token_id
+    assert short[len(features[1]["labels"]) :] == [IGNORE] * (len(short) - len(features[1]["labels"]))
+
+
+def test_chat_learns_the_assistant_turns_only(tokenizer):
+    messages = [{"role": "user", "content": "the plot"}, {"role": "assistant", "content": "was good"},
+                {"role": "user", "content": "and the acting"}, {"role": "assistant", "content": "was bad"}]  # fmt: skip
+    task = CausalLM(CHAT)
+    chat_tokenizer = task.load_tokenizer(str(tokenizer.name_or_path), types.SimpleNamespace(trust_remote_code=False))
+    row = task.features(Dataset.from_list([{"messages": messages}]), chat_tokenizer, 256)[0]
+    eos = chat_tokenizer.eos_token
+    assert learnt(chat_tokenizer, row["input_ids"], row["labels"]).split() == f"was good {eos} was bad {eos}".split()
+    sharegpt = [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in messages]
+    again = task.features(Dataset.from_list([{"conversations": sharegpt}]), chat_tokenizer, 256)[0]
+    assert again["labels"] == row["labels"]
+
+
+def test_text_is_cut_into_blocks_and_nothing_is_dropped(tokenizer):
+    texts = ["the plot was good"] * 7 + ["", "the acting was bad"]
+    rows = CausalLM(TEXT).features(Dataset.from_list([{"text": t} for t in texts]), tokenizer, 8)
+    lengths = [len(r["input_ids"]) for r in rows]
+    expected = sum(len(tokenizer(t)["input_ids"]) + 1 for t in texts if t)  # each text's tokens and its EOS
+    assert sum(lengths) == expected and set(lengths[:-1]) == {8} and 0 < lengths[-1] <= 8
+    assert all(r["labels"] == r["input_ids"] for r in rows)
+
+
+def test_the_format_is_found_from_the_columns():
+    for row, fmt in [({"messages": [{"role": "user", "content": "hi"}]}, CHAT),
+                     ({"conversations": [{"from": "human", "value": "hi"}]}, CHAT),
+                     ({"prompt": "a", "completion": "b"}, PROMPT_COMPLETION), ({"text": "a"}, TEXT)]:  # fmt: skip
+        cls, _ = detect_task(Dataset.from_list([row]))
+        assert cls is CausalLM and CausalLM.from_data(None, Dataset.from_list([row])).format == fmt
+    assert detect_task(Dataset.from_list([{"text": "a", "label": 1}]))[0].name == "sequence-classification"
+    with pytest.raises(UserError, match="the columns are sentence, label"):
+        CausalLM.from_data(None, Dataset.from_list([{"sentence": "a", "label": 1}]))
+
+
+def test_lora_sft_on_chat_rows_and_evaluate_py_reproduces_it(tiny_decoders, tmp_path):
+    train, dev = tmp_path / "train.jsonl", tmp_path / "dev.jsonl"
+    lines = (SFT / "train_messages.jsonl").read_text().splitlines()
+    train.write_text("\n".join(lines[:24]) + "\n")
+    dev.write_text("\n".join((SFT / "validation_messages.jsonl").read_text().splitlines()[:9]) + "\n")
+    flags = ["--use_peft", "--num_train_epochs", "1", "--max_length", "64"]
+    results = run_in_process("train", train_args(tiny_decoders["llama"], train, dev, tmp_path / "out", *flags))
+    record = json.loads((tmp_path / "out" / "args.json").read_text())
+    assert record["task"] == "causal-lm" and record["format"] == CHAT and record["metric_for_best_model"] == "loss"
+    assert {"eval_loss", "eval_perplexity", "eval_mean_token_accuracy", "train_loss"} <= set(results)
+    adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert adapter["task_type"] == "CAUSAL_LM" and not adapter["modules_to_save"]  # the LM head is not retrained
+    assert "chat_template" in json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) or (
+        tmp_path / "out" / "chat_template.jinja").is_file()  # fmt: skip
+    argv = ["--model_name_or_path", str(tmp_path / "out"), "--validation_file", str(dev), "--output_dir",
+            str(tmp_path / "eval"), "--mixed_precision", "no", "--per_device_eval_batch_size", "8"]  # fmt: skip
+    metrics = run_in_process("evaluate", argv)
+    assert metrics["eval_samples"] == results["eval_samples"] == 9
+    assert metrics["eval_mean_token_accuracy"] == results["eval_mean_token_accuracy"]
+    assert metrics["eval_loss"] == pytest.approx(results["eval_loss"], rel=1e-6)
