@@ -301,12 +301,8 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     )
     train.add_argument("--lr_scheduler_type", choices=SCHEDULERS, default="linear", help="Learning-rate schedule.")
     train.add_argument("--warmup_ratio", type=_fraction, default=0.1, help="Fraction of steps spent warming up.")
-    train.add_argument(
-        "--num_warmup_steps", type=_non_negative_int, help="Warm up for this many steps; wins over --warmup_ratio."
-    )
-    train.add_argument(
-        "--max_grad_norm", type=_non_negative_float, default=1.0, help="Gradient clipping; 0 turns it off."
-    )
+    train.add_argument("--num_warmup_steps", type=_non_negative_int, help="Warmup steps; wins over --warmup_ratio.")
+    train.add_argument("--max_grad_norm", type=_non_negative_float, default=1.0, help="Gradient clipping; 0: none.")
     train.add_argument(
         "--mixed_precision",
         choices=PRECISIONS,
@@ -329,9 +325,7 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     )
 
     evaluation = parser.add_argument_group("evaluation")
-    evaluation.add_argument(
-        "--per_device_eval_batch_size", type=_positive_int, default=64, help="Batch size per process."
-    )
+    evaluation.add_argument("--per_device_eval_batch_size", type=_positive_int, default=64, help="Per process.")
     evaluation.add_argument(
         "--eval_steps",
         type=_positive_int,

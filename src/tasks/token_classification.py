@@ -17,6 +17,12 @@ logger = get_logger(__name__)
 IGNORE = -100  # the label of special tokens, padding and (without --label_all_tokens) later sub-tokens of a word
 WORD_COLUMNS = ("tokens", "words")
 TAG_COLUMNS = ("ner_tags", "tags", "upos", "pos_tags", "ner", "labels", "label")
+FLAGS = {
+    "--label_all_tokens": "Label every sub-token of a word (B-X becomes I-X after the first), not the first only; the "
+    "metrics then count sub-tokens too, as run_ner_no_trainer.py's do.",
+    "--return_entity_level_metrics": "IOB tags: also precision, recall, F1 and count per entity type "
+    "(eval_<TYPE>_f1, ...).",
+}
 
 
 @dataclass(frozen=True)
@@ -26,23 +32,14 @@ class TokenClassification(Task):
     label_all_tokens: bool = False
     return_entity_level_metrics: bool = False
 
-    auto_class = "AutoModelForTokenClassification"
     name = "token-classification"
+    auto_class = "AutoModelForTokenClassification"
 
     @staticmethod
     def add_arguments(parser):
         group = parser.add_argument_group("token classification")
-        group.add_argument(
-            "--label_all_tokens",
-            action="store_true",
-            help="Label every sub-token of a word (B-X becomes I-X after the first), not the first only; the "
-            "metrics then count sub-tokens too, as run_ner_no_trainer.py's do.",
-        )
-        group.add_argument(
-            "--return_entity_level_metrics",
-            action="store_true",
-            help="IOB tags: also precision, recall, F1 and count per entity type (eval_<TYPE>_f1, ...).",
-        )
+        for flag, explanation in FLAGS.items():
+            group.add_argument(flag, action="store_true", help=explanation)
 
     @staticmethod
     def recognises(train: Dataset) -> str | None:
