@@ -168,9 +168,10 @@ def _add_data_arguments(group, split_help):
     )
     group.add_argument(
         "--max_length",
+        "--block_size",
         type=_positive_int,
-        help="Truncate texts to this many tokens. Default: 128, or the model's limit if less; evaluate.py: the "
-        "training run's.",
+        help="Truncate texts to this many tokens (causal LM on text: the block size). Default: 128 (causal LM: "
+        "1024), or the model's limit if less; evaluate.py: the training run's.",
     )
     group.add_argument("--max_eval_samples", type=_positive_int, help=f"Keep only the first N rows of {split_help}.")
 

@@ -5,6 +5,7 @@ import json
 import types
 
 import pytest
+from accelerate import PartialState
 from conftest import REPO, run_in_process, train_args
 from datasets import Dataset
 
@@ -97,3 +98,13 @@ def test_lora_sft_on_chat_rows_and_evaluate_py_reproduces_it(tiny_decoders, tmp_
     assert metrics["eval_samples"] == results["eval_samples"] == 9
     assert metrics["eval_mean_token_accuracy"] == results["eval_mean_token_accuracy"]
     assert metrics["eval_loss"] == pytest.approx(results["eval_loss"], rel=1e-6)
+
+
+def test_examples_with_nothing_to_learn_are_dropped_and_counted(tokenizer, caplog):
+    data = Dataset.from_list([{"prompt": "the plot was good " * 10, "completion": "yes"},
+                              {"prompt": "the acting", "completion": "was bad"}])  # fmt: skip
+    PartialState(cpu=True)  # accelerate's logger
+    with caplog.at_level("WARNING"):
+        rows = CausalLM(PROMPT_COMPLETION).features(data, tokenizer, 16)
+    assert "1 of 2 examples have nothing to learn within --max_length 16" in caplog.text
+    assert len(rows) == 1 and rows[0]["example_index"] == 0

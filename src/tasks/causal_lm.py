@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from accelerate.logging import get_logger
 from datasets import Dataset
 
 from src.errors import UserError
 from src.loaders import INDEX_COLUMN, LENGTH_COLUMN
 from src.tasks.base import Step, Task
 
+logger = get_logger(__name__)
 IGNORE = -100
 CHAT, PROMPT_COMPLETION, TEXT = "chat", "prompt-completion", "text"
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -91,8 +93,16 @@ class CausalLM(Task):
                 LENGTH_COLUMN: [len(ids) for ids, _ in examples],
             }
 
-        return dataset.map(rows, batched=True, with_indices=True, remove_columns=dataset.column_names,
-                           desc="Tokenizing")  # fmt: skip
+        features = dataset.map(rows, batched=True, with_indices=True, remove_columns=dataset.column_names,
+                               desc="Tokenizing")  # fmt: skip
+        # A prompt that fills --max_length leaves nothing to learn: such rows are dropped, and said so.
+        kept = features.filter(lambda row: any(label != IGNORE for label in row["labels"][1:]), desc="Checking labels")
+        if len(kept) < len(features):
+            dropped = f"{len(features) - len(kept)} of {len(features)} examples"
+            logger.warning(f"{dropped} have nothing to learn within --max_length {max_length} tokens (the prompt "
+                           "fills them): dropped; raise --max_length")  # fmt: skip
+            kept = kept.map(lambda row, i: {INDEX_COLUMN: i}, with_indices=True, desc="Numbering")  # row order anew
+        return kept
 
     def collator(self, tokenizer, pad_to_multiple_of=None, pad_to_length=None):
         from transformers import DataCollatorForTokenClassification
