@@ -79,7 +79,7 @@ def test_a_task_is_a_listed_name_or_an_import_path():
                         ("token-classifier", "use one of"), ("src.errors:UserError", "not a subclass")]:  # fmt: skip
         with pytest.raises(UserError, match=says):
             task_class(wrong)
-    assert set(TASKS) == {"sequence-classification", "token-classification"}
+    assert set(TASKS) == {"sequence-classification", "token-classification", "causal-lm"}
 
 
 def test_a_tasks_own_flags_exist_only_when_it_is_chosen(tiny_model, tiny_data, tmp_path):
