@@ -98,18 +98,18 @@ def main(args):
     )
     metrics, columns = evaluate(model, dataloader, accelerator, task)
     if accelerator.is_main_process:
-        write_results(args.output_dir or Path(args.model_name_or_path), metrics, columns, task)
+        write_results(args.output_dir or Path(args.model_name_or_path), metrics, columns, task, data)
     accelerator.end_training()
     return metrics
 
 
-def write_results(output_dir: Path, metrics: dict, columns: dict, task):
+def write_results(output_dir: Path, metrics: dict, columns: dict, task, data):
     """eval_results.json, predictions.csv (in the data's order) and the task's pictures."""
     output_dir.mkdir(parents=True, exist_ok=True)
     # Rounded so that the number of processes (the summation order) cannot change the file. Another batch size
     # pads differently, which under bf16 autocast can move eval_loss in the 6th decimal.
     write_json(output_dir / "eval_results.json", {k: round(v, 6) for k, v in metrics.items()})
-    rows = {"index": columns["index"].tolist(), **task.prediction_rows(columns)}
+    rows = {"index": columns["index"].tolist(), **task.prediction_rows(columns, data)}
     with open(output_dir / "predictions.csv", "w", newline="") as file:
         writer = csv.writer(file)
         writer.writerow(rows)

@@ -41,7 +41,7 @@ from src.loaders import build_eval_dataloader, build_train_dataloader, padding_o
 from src.model import prepare_for_training, resolve_max_length
 from src.model_card import write_model_card
 from src.optimizer import build_optimizer, build_scheduler, count_parameters
-from src.plan import BatchSizes, Plan, make_plan
+from src.plan import BatchSizes, Plan, learning_rate, make_plan
 from src.precision import choose_precision
 from src.record import run_record
 from src.reporting import append_jsonl, keep_records_up_to, read_jsonl, setup_logging, tracker_run_name, write_json
@@ -174,7 +174,7 @@ def main(args):
 
     task, tokenizer, splits, model, max_length = load_data_and_model(args, accelerator)
     trainable_parameters, total_parameters = count_parameters(model)  # before prepare() wraps (and perhaps shards) it
-    optimizer = build_optimizer(model, args, accelerator.device)
+    optimizer = build_optimizer(model, args, accelerator.device, learning_rate(args, task))
     sizes, train_dataloader, eval_dataloaders = build_dataloaders(
         args, accelerator, model, splits, tokenizer, task, resume_path, max_length
     )

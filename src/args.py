@@ -296,7 +296,11 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     train.add_argument("--max_train_steps", type=_positive_int, help="Total optimizer steps; overrides the epochs.")
     train.add_argument("--per_device_train_batch_size", type=_positive_int, default=32, help="Batch size per process.")
     train.add_argument("--gradient_accumulation_steps", type=_positive_int, default=1, help="Batches per update.")
-    train.add_argument("--learning_rate", type=_positive_float, default=5e-5, help="Peak learning rate of AdamW.")
+    train.add_argument(
+        "--learning_rate",
+        type=_positive_float,
+        help="Peak learning rate of AdamW. Default: the task's (5e-5; 2e-5 causal LM).",
+    )
     train.add_argument(
         "--weight_decay", type=_non_negative_float, default=0.01, help="AdamW decay (not on biases or norms)."
     )

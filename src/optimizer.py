@@ -8,7 +8,7 @@ from transformers import get_scheduler
 from src.errors import UserError
 
 
-def build_optimizer(model, args, device) -> torch.optim.Optimizer:
+def build_optimizer(model, args, device, learning_rate: float) -> torch.optim.Optimizer:
     """AdamW without weight decay on biases and LayerNorm weights (the 1-D parameters).
 
     fused: one kernel for all tensors instead of a loop over ~100; on 2 CPU cores MiniLM's update drops from
@@ -19,7 +19,7 @@ def build_optimizer(model, args, device) -> torch.optim.Optimizer:
         {"params": [p for p in parameters if p.ndim >= 2], "weight_decay": args.weight_decay},
         {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=args.learning_rate, fused=device.type in ("cpu", "cuda"))
+    return torch.optim.AdamW(groups, lr=learning_rate, fused=device.type in ("cpu", "cuda"))
 
 
 def count_parameters(model) -> tuple[int, int]:

@@ -20,6 +20,7 @@ class Plan:
     mixed_precision: str
     mixed_precision_reason: str
     cpu_threads: int
+    learning_rate: float
     per_device_train_batch_size: int
     gradient_accumulation_steps: int
     per_device_eval_batch_size: int
@@ -51,6 +52,10 @@ def best_metric(args, task) -> tuple[str, bool]:
     return name, greater
 
 
+def learning_rate(args, task) -> float:
+    return args.learning_rate or task.default_learning_rate
+
+
 def make_plan(args, accelerator, task, sizes: BatchSizes, max_length, precision_reason: str, cpu_threads: int,
               batches_per_epoch: int) -> Plan:  # fmt: skip
     """`batches_per_epoch`: the length of the training loader after prepare() sharded it."""
@@ -63,6 +68,7 @@ def make_plan(args, accelerator, task, sizes: BatchSizes, max_length, precision_
         mixed_precision=accelerator.mixed_precision,
         mixed_precision_reason=precision_reason,
         cpu_threads=cpu_threads,
+        learning_rate=learning_rate(args, task),
         per_device_train_batch_size=sizes.per_device_train_batch_size,
         gradient_accumulation_steps=accumulation,
         per_device_eval_batch_size=sizes.per_device_eval_batch_size,

@@ -384,3 +384,16 @@ def two_rank_dropout_run(tmp_path_factory, tiny_model):
     result = launch("train.py", train_args(*args, folder / "out", *flags))
     assert result.returncode == 0, result.stderr[-3000:]
     return {"args": args, "flags": flags, "output_dir": folder / "out", "log": result.stdout + result.stderr}
+
+
+def run_model_card_snippet(folder: Path) -> str:
+    """Run the Python the model card (folder/README.md) shows for using the model; what it printed."""
+    import io
+    import re
+    from contextlib import redirect_stdout
+
+    code = re.search(r"```python\n(.*?)```", (folder / "README.md").read_text(), re.DOTALL).group(1)
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        exec(compile(code, str(folder / "README.md"), "exec"), {})
+    return printed.getvalue()

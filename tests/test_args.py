@@ -1,8 +1,9 @@
 """Flags, YAML config files and their validation."""
 
 import pytest
+from conftest import REPO
 
-from src.args import build_train_parser, parse_args, validate_train_args
+from src.args import build_train_parser, parse_args, parse_train_args, validate_train_args
 
 
 def parse(*argv):
@@ -21,7 +22,7 @@ def error_of(capsys, *argv) -> str:
 
 def test_defaults_are_sensible():
     args = parse("--train_file", "train.csv")
-    assert (args.num_train_epochs, args.per_device_train_batch_size, args.learning_rate) == (3, 32, 5e-5)
+    assert (args.num_train_epochs, args.per_device_train_batch_size, args.learning_rate) == (3, 32, None)  # the task's
     assert args.eval_steps is None  # at the end of each epoch
     demo = parse()  # the built-in demo is learnt within one epoch; evaluations along the way show the curve
     assert (demo.num_train_epochs, demo.eval_steps) == (1, 10)
@@ -99,7 +100,7 @@ def test_help_groups_flags_and_shows_defaults(capsys):
     text = capsys.readouterr().out
     for group in ("model:", "data (", "training:", "evaluation:", "checkpoints:", "logging:"):
         assert group in text
-    assert "(default: 5e-05)" in text
+    assert "(default: 0.01)" in text  # --weight_decay: defaults are shown
 
 
 def test_evaluate_needs_a_model_from_the_command_line_or_its_config(tmp_path, capsys):
@@ -125,3 +126,9 @@ def test_on_off_flags_can_be_turned_off_from_the_command_line(tmp_path):
 def test_the_example_config_file_is_valid():
     args = parse("--config", "examples/run.yaml")
     assert args.dataset_name == "nyu-mll/glue" and args.load_best_model_at_end
+
+
+def test_the_example_run_files_hold_only_train_py_flags():
+    for config in sorted((REPO / "examples").glob("*.yaml")):
+        args = parse_train_args(["--config", str(config)])
+        assert args.output_dir is not None, config

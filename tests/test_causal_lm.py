@@ -6,11 +6,12 @@ import types
 
 import pytest
 from accelerate import PartialState
-from conftest import REPO, run_in_process, train_args
+from conftest import REPO, run_in_process, run_model_card_snippet, train_args
 from datasets import Dataset
 
 from src.errors import UserError
 from src.model import load_tokenizer
+from src.plan import learning_rate
 from src.tasks import detect_task
 from src.tasks.causal_lm import CHAT, IGNORE, PROMPT_COMPLETION, TEXT, CausalLM
 
@@ -67,6 +68,12 @@ def test_text_is_cut_into_blocks_and_nothing_is_dropped(tokenizer):
     assert all(r["labels"] == r["input_ids"] for r in rows)
 
 
+def test_the_task_has_its_own_defaults_where_a_classifiers_do_not_fit():
+    assert (CausalLM.default_max_length, CausalLM.default_learning_rate) == (1024, 2e-5)
+    assert learning_rate(types.SimpleNamespace(learning_rate=None), CausalLM(TEXT)) == 2e-5
+    assert learning_rate(types.SimpleNamespace(learning_rate=3e-4), CausalLM(TEXT)) == 3e-4  # the flag wins
+
+
 def test_the_format_is_found_from_the_columns():
     for row, fmt in [({"messages": [{"role": "user", "content": "hi"}]}, CHAT),
                      ({"conversations": [{"from": "human", "value": "hi"}]}, CHAT),
@@ -87,6 +94,7 @@ def test_lora_sft_on_chat_rows_and_evaluate_py_reproduces_it(tiny_decoders, tmp_
     results = run_in_process("train", train_args(tiny_decoders["llama"], train, dev, tmp_path / "out", *flags))
     record = json.loads((tmp_path / "out" / "args.json").read_text())
     assert record["task"] == "causal-lm" and record["format"] == CHAT and record["metric_for_best_model"] == "loss"
+    assert record["learning_rate"] == 1e-3 and record["max_length"] == 64  # as given (train_args), in the record
     assert {"eval_loss", "eval_perplexity", "eval_mean_token_accuracy", "train_loss"} <= set(results)
     adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert adapter["task_type"] == "CAUSAL_LM" and not adapter["modules_to_save"]  # the LM head is not retrained
@@ -108,3 +116,12 @@ def test_examples_with_nothing_to_learn_are_dropped_and_counted(tokenizer, caplo
         rows = CausalLM(PROMPT_COMPLETION).features(data, tokenizer, 16)
     assert "1 of 2 examples have nothing to learn within --max_length 16" in caplog.text
     assert len(rows) == 1 and rows[0]["example_index"] == 0
+
+
+def test_the_model_card_shows_how_to_generate_and_that_runs(tmp_path, tiny_decoders):
+    rows = [{"prompt": "the plot was", "completion": "good"}] * 8
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run_in_process("train", train_args(tiny_decoders["llama"], train, train, tmp_path / "out", "--max_length", "16"))
+    printed = run_model_card_snippet(tmp_path / "out")  # the prompt ("Hello": <unk> to the tiny vocabulary) and more
+    assert printed.startswith("<s> <unk>") and len(printed.split()) > 2, printed

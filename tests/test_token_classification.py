@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from accelerate import PartialState
-from conftest import REPO, WEIGHTS_ATOL, launch, load_script, run_in_process, train_args
+from conftest import REPO, WEIGHTS_ATOL, launch, load_script, run_in_process, run_model_card_snippet, train_args
 from datasets import Dataset
 from safetensors.torch import load_file
 
@@ -112,10 +112,14 @@ def test_ner_reports_entity_level_metrics_and_evaluate_py_reproduces_them(ner_ru
     for key in ("eval_precision", "eval_recall", "eval_f1", "eval_accuracy", "eval_samples"):
         assert metrics[key] == results[key], key
     rows = list(csv.DictReader((tmp_path / "predictions.csv").open()))
-    gold = [json.loads(line)["ner_tags"] for line in ner_run["dev"].read_text().splitlines()]
-    assert len(rows) == 29 and all(
-        json.loads(r["label"]) == g[: len(json.loads(r["label"]))] for r, g in zip(rows, gold)
-    )
+    sentences = [json.loads(line) for line in ner_run["dev"].read_text().splitlines()]
+    assert list(rows[0]) == ["index", "words", "label", "prediction"] and len(rows) == 29
+    for row, sentence in zip(rows, sentences):  # in data order; tags of the words within --max_length 24
+        assert json.loads(row["words"]) == sentence["tokens"]
+        tags, predicted = json.loads(row["label"]), json.loads(row["prediction"])
+        assert tags == sentence["ner_tags"][: len(tags)] and len(predicted) == len(tags) > 0
+    printed = run_model_card_snippet(ner_run["out"])  # the pipeline on "Your text here": entities found, or none
+    assert printed.startswith("[") and ("entity_group" in printed or printed.strip() == "[]"), printed
 
 
 def test_three_ranks_gather_every_example_once_as_one_rank_does(ner_run, tmp_path):
@@ -136,6 +140,7 @@ def test_plain_tags_are_scored_per_word(tmp_path, tiny_model):
     assert {"eval_accuracy", "eval_f1"} <= set(results) and "eval_precision" not in results
     record = json.loads((tmp_path / "out" / "args.json").read_text())
     assert record["metric_for_best_model"] == "accuracy" and record["label_column"] == "upos"
+    assert record["max_length"] == 64  # the task's default of 128, capped by the tiny model's 64 positions
 
 
 def test_lora_trains_the_tagging_head_in_full_and_evaluate_py_reproduces_it(tiny_decoders, tmp_path):

@@ -93,8 +93,7 @@ def test_a_warmup_as_long_as_the_run_is_refused_before_anything_is_written(tiny_
 
 def test_weight_decay_spares_biases_and_layer_norms(tiny_model_no_dropout):
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model_no_dropout)
-    args = argparse.Namespace(weight_decay=0.1, learning_rate=0.01)
-    optimizer = train.build_optimizer(model, args, torch.device("cpu"))
+    optimizer = train.build_optimizer(model, argparse.Namespace(weight_decay=0.1), torch.device("cpu"), 0.01)
     names = {id(p): n for n, p in model.named_parameters()}
     decayed, spared = ([names[id(p)] for p in group["params"]] for group in optimizer.param_groups)
     assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]

@@ -27,6 +27,7 @@ class Task:
     # The Transformers Auto class of the task's models (the default build_model and load_model use it).
     auto_class = ""
     default_max_length = 128  # --max_length when not given (or the model's limit if less)
+    default_learning_rate = 5e-5  # --learning_rate when not given
 
     # --- choosing the task ---
     @staticmethod
@@ -120,8 +121,8 @@ class Task:
         """What `metrics` reports, for --metric_for_best_model (loss is always there)."""
         return ["loss"]
 
-    def prediction_rows(self, columns: dict) -> dict[str, list]:
-        """predictions.csv's columns after `index`, from the gathered outputs."""
+    def prediction_rows(self, columns: dict, data) -> dict[str, list]:
+        """predictions.csv's columns after `index`, from the gathered outputs and the evaluated rows (`data`)."""
         return {}
 
     def write_pictures(self, columns: dict, output_dir) -> list[str]:

@@ -38,6 +38,7 @@ class CausalLM(Task):
     name = "causal-lm"
     main_metric = "loss"
     default_max_length = 1024  # most SFT rows are longer than a classifier's 128 tokens
+    default_learning_rate = 2e-5  # TRL's SFTTrainer's: a pretrained LM's head is not new, as a classifier's is
 
     @staticmethod
     def recognises(train: Dataset) -> str | None:
@@ -140,7 +141,7 @@ class CausalLM(Task):
             "mean_token_accuracy": columns["correct"].sum().item() / max(1, units),
         }
 
-    def prediction_rows(self, columns: dict) -> dict[str, list]:
+    def prediction_rows(self, columns: dict, data) -> dict[str, list]:
         """Per example: its predicted tokens and their mean loss."""
         units = columns["units"].tolist()
         losses = [f"{loss / max(1, n):.6f}" for loss, n in zip(columns["loss"].tolist(), units)]

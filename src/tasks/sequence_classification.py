@@ -290,7 +290,7 @@ class SequenceClassification(Task):
             return json.dumps([n for n, v in zip(self.label_names, value) if v >= 0.5], ensure_ascii=False)
         return self.label_names[value]
 
-    def prediction_rows(self, columns: dict) -> dict[str, list]:
+    def prediction_rows(self, columns: dict, data) -> dict[str, list]:
         shown = {"label": columns["label"]} if "label" in columns else {}
         return {key: [self.show(v) for v in values.tolist()] for key, values in (shown | {
             "prediction": columns["prediction"]}).items()}  # fmt: skip

@@ -209,9 +209,15 @@ class TokenClassification(Task):
             }
         return scores
 
-    def prediction_rows(self, columns: dict) -> dict[str, list]:
+    def prediction_rows(self, columns: dict, data) -> dict[str, list]:
+        """Per sentence, as JSON lists: its words, their gold tags (if the data has them) and the predicted tags (of
+        the words within --max_length). Without gold tags the words are written alone: which sub-token starts a word
+        is known from the labels only."""
+        rows = {"words": [json.dumps(words, ensure_ascii=False) for words in data[self.columns[0]]]}
+        if "label" not in columns:
+            return rows
         true, predicted = self.tag_rows(columns)
-        return {"label": [json.dumps(row) for row in true], "prediction": [json.dumps(row) for row in predicted]}
+        return rows | {"label": [json.dumps(row) for row in true], "prediction": [json.dumps(row) for row in predicted]}
 
     # --- the model card ---
     def model_card(self, where: str, base_name: str, adapter: bool) -> dict:
