@@ -6,7 +6,7 @@ import types
 
 import pytest
 from accelerate import PartialState
-from conftest import REPO, run_in_process, run_model_card_snippet, train_args
+from conftest import REPO, WEIGHTS_ATOL, run_in_process, run_model_card_snippet, train_args
 from datasets import Dataset
 
 from src.errors import UserError
@@ -125,3 +125,20 @@ def test_the_model_card_shows_how_to_generate_and_that_runs(tmp_path, tiny_decod
     run_in_process("train", train_args(tiny_decoders["llama"], train, train, tmp_path / "out", "--max_length", "16"))
     printed = run_model_card_snippet(tmp_path / "out")  # the prompt ("Hello": <unk> to the tiny vocabulary) and more
     assert printed.startswith("<s> <unk>") and len(printed.split()) > 2, printed
+
+
+def test_a_global_batch_gives_the_same_update_however_it_is_split(tiny_decoders, tmp_path):
+    """Completions of very different lengths: 1 batch of 8 and 2 accumulated batches of 4 give the same weights only
+    when each batch's summed token loss is divided by the whole step's tokens (not averaged per batch)."""
+    from safetensors.torch import load_file
+
+    rows = [{"prompt": "the plot was", "completion": " ".join(["good"] * (1 + 5 * (i % 4)))} for i in range(16)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    weights = {}
+    for name, (size, steps) in {"one": ("8", "1"), "accumulated": ("4", "2")}.items():
+        batches = ["--per_device_train_batch_size", size, "--gradient_accumulation_steps", steps]
+        run_in_process("train", train_args(tiny_decoders["llama"], data, data, tmp_path / name, *batches))
+        weights[name] = load_file(tmp_path / name / "model.safetensors")
+    worst = max((weights["one"][k] - weights["accumulated"][k]).abs().max().item() for k in weights["one"])
+    assert worst < WEIGHTS_ATOL, f"weights differ by up to {worst}"
