@@ -26,6 +26,7 @@ from src.args import parse_train_args
 from src.batch_size import fit_batch_sizes
 from src.checkpoint import (
     check_output_dir,
+    is_checkpoint_writer,
     load_checkpoint,
     newest_checkpoint,
     read_checkpoint_args,
@@ -96,7 +97,7 @@ def load_data_and_model(args, accelerator):
         task = cls.from_data(args, train)
         tokenizer = task.load_tokenizer(args.model_name_or_path, args)
         model = task.build_model(args, tokenizer, accelerator.mixed_precision)
-        model = prepare_for_training(model, args, accelerator)  # gradient checkpointing and LoRA, if asked
+        model = prepare_for_training(model, args, accelerator, task)  # gradient checkpointing and LoRA, if asked
         max_length = resolve_max_length(
             args.max_length, tokenizer, getattr(model, "config", None), default=task.default_max_length
         )
@@ -153,13 +154,6 @@ class Run:
     # This rank's share of the epoch's step losses since they were last added to state.epoch_loss_sum, on the device
     # so that no step waits for the host.
     epoch_loss: torch.Tensor = None
-
-    @property
-    def is_writer(self) -> bool:
-        """The process that writes checkpoints: the main one, or each node's own without a shared file system."""
-        return (
-            self.accelerator.is_local_main_process if self.args.save_on_each_node else self.accelerator.is_main_process
-        )
 
 
 def main(args):
@@ -254,8 +248,7 @@ def start_or_resume(args, accelerator, resume_path, record: dict, batches_per_ep
     # Trackers first: one that cannot start (say, wandb without an API key) stops the run before an old one is removed.
     hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in record.items()}
     accelerator.init_trackers(tracker_run_name(args.report_to, args.output_dir), hparams)
-    is_writer = accelerator.is_local_main_process if args.save_on_each_node else accelerator.is_main_process
-    if is_writer:
+    if is_checkpoint_writer(accelerator, args.save_on_each_node):
         remove_checkpoints(args.output_dir, only_incomplete=not args.overwrite_output_dir)
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -334,7 +327,8 @@ def train_step(run: Run, batches: list[dict]):
     accumulation steps and DDP averages over ranks: both are made up for in `scale`.
     """
     accelerator, model, task = run.accelerator, run.model, run.task
-    units = accelerator.reduce(sum(task.units(batch) for batch in batches), reduction="sum")
+    # clamp: a step whose labels are all ignored (every token cut off, say) adds nothing, instead of 0/0 = NaN.
+    units = accelerator.reduce(sum(task.units(batch) for batch in batches), reduction="sum").clamp(min=1)
     scale = accelerator.num_processes * accelerator.gradient_accumulation_steps / units
     for i, batch in enumerate(batches):
         with accelerator.no_sync(model) if i < len(batches) - 1 else nullcontext():
@@ -422,7 +416,8 @@ def checkpoint(run: Run) -> bool:
     add_epoch_loss(run)
     with run.window.paused():  # throughput counts training time only
         path = save_checkpoint(run.accelerator, run.args.output_dir, run.state.to_dict() | {"args": run.record},
-                               run.is_writer, run.args.save_total_limit)  # fmt: skip
+                               is_checkpoint_writer(run.accelerator, run.args.save_on_each_node),
+                               run.args.save_total_limit)  # fmt: skip
     logger.info(f"Saved checkpoint {path}")
     return True
 
@@ -464,7 +459,7 @@ def save_final(run: Run, tokenizer, results: dict):
         tokenizer.save_pretrained(output_dir)
         write_json(output_dir / "all_results.json", results)
         write_model_card(output_dir, run.record, results, run.task)
-        from src.plots import plot_training_curves
+        from src.plots import plot_training_curves  # matplotlib's import (~1 s) only when a run gets this far
 
         plot_training_curves(read_jsonl(output_dir / "metrics.jsonl"), output_dir / "training_curves.png")
 

@@ -12,6 +12,7 @@ MiniLM's by default); only its vocabulary is used. LoRA, gradient checkpointing 
 model and are refused with a one-line error.
 """
 
+import argparse
 import json
 from pathlib import Path
 
@@ -44,7 +45,7 @@ class BagOfWordsClassification(SequenceClassification):
     @staticmethod
     def add_arguments(parser):
         SequenceClassification.add_arguments(parser)  # --class_weights
-        parser.add_argument("--embedding_dim", type=int, default=64, help="Size of the word vectors.")
+        parser.add_argument("--embedding_dim", type=_positive_int, default=64, help="Size of the word vectors.")
 
     def build_model(self, args, tokenizer, mixed_precision: str):
         return BagOfWords(len(tokenizer), args.embedding_dim, self.num_labels)
@@ -78,6 +79,12 @@ class BagOfWordsClassification(SequenceClassification):
             f'model = BagOfWordsClassification().load_model("{where}", None, None, "no")',
         ]
         return card | {"pipeline_tag": None, "usage": usage}
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
 
 
 def _settings(model_dir) -> dict:

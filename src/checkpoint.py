@@ -51,6 +51,12 @@ def remove_checkpoints(output_dir: Path, only_incomplete: bool = False):
         shutil.rmtree(path)
 
 
+def is_checkpoint_writer(accelerator, save_on_each_node: bool) -> bool:
+    """The process that writes, renames and rotates checkpoints: the main one, or each node's own local main one when
+    the nodes share no file system (--save_on_each_node)."""
+    return accelerator.is_local_main_process if save_on_each_node else accelerator.is_main_process
+
+
 def save_checkpoint(accelerator, output_dir: Path, state: dict, is_writer: bool, save_total_limit=None) -> Path:
     """Save model, optimizer, scheduler and RNG states (every rank) and `state` (the loop's position).
 

@@ -15,12 +15,6 @@ from src.errors import UserError
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's file: the folder holds a LoRA adapter and head, not a whole model
 CHECKPOINT_WEIGHTS = "model.safetensors"  # what accelerate's save_state calls the model's weights
-# peft's task type for each Transformers head class (...ForSequenceClassification -> SEQ_CLS).
-TASK_TYPES = {
-    "SequenceClassification": TaskType.SEQ_CLS,
-    "TokenClassification": TaskType.TOKEN_CLS,
-    "CausalLM": TaskType.CAUSAL_LM,
-}
 
 
 def is_adapter_folder(name_or_path) -> bool:
@@ -30,8 +24,6 @@ def is_adapter_folder(name_or_path) -> bool:
 def head_modules(model) -> list[str]:
     """The classification head: the modules outside the backbone that have weights (`score` on decoders,
     `classifier` on BERT, `pre_classifier` and `classifier` on DistilBERT, `classification_head` on BART...)."""
-    if type(model).__name__.endswith("ForCausalLM"):
-        return []  # the LM head is the pretrained one, adapted through the backbone, not retrained in full
     return [
         name
         for name, module in model.named_children()
@@ -39,8 +31,8 @@ def head_modules(model) -> list[str]:
     ]
 
 
-def _head_to_fp32(model):
-    for name in head_modules(model):
+def _head_to_fp32(model, head: list[str]):
+    for name in head:
         getattr(model, name).float()
 
 
@@ -49,16 +41,17 @@ def lora_targets(spec: str) -> str | list[str]:
     return spec if spec == "all-linear" else [name.strip() for name in spec.split(",") if name.strip()]
 
 
-def add_lora(model, args, accelerator) -> PeftModel:
-    """LoRA adapters on the backbone; the head (new, so nothing to adapt) is trained in full and saved with them.
+def add_lora(model, args, accelerator, task_type: str, new_head: bool) -> PeftModel:
+    """LoRA adapters on the backbone; a new head (`new_head`: nothing to adapt) is trained in full and saved with
+    them, where a pretrained one (a causal LM's) is adapted through the backbone. `task_type`: peft's (SEQ_CLS, ...).
 
     With 'all-linear' peft targets every linear layer except those it is told to train in full, i.e. the head.
     Adapters and head are kept in fp32 (peft upcasts adapters on a bf16/fp16 base; the head is cast here).
     """
-    head = head_modules(model)
-    _head_to_fp32(model)
+    head = head_modules(model) if new_head else []
+    _head_to_fp32(model, head)
     config = LoraConfig(
-        task_type=TASK_TYPES[model.__class__.__name__.rsplit("For", 1)[-1]],
+        task_type=TaskType(task_type),
         r=args.lora_r,
         lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout,
@@ -108,13 +101,13 @@ def checkpoint_trainable_weights_only(accelerator):
     accelerator.register_load_state_pre_hook(load_trainable)
 
 
-def load_adapter_folder(auto_class, folder, dtype, pad_token_id=None, trust_remote_code=False):
+def load_adapter_folder(auto_class, folder, dtype, pad_token_id=None, trust_remote_code=False, new_head=True):
     """A train.py LoRA output: the base model it names, with the folder's config (labels, pad token), adapter, head."""
     try:
         adapter = PeftConfig.from_pretrained(folder)
     except (OSError, ValueError) as err:  # ValueError: a damaged file's JSON error
         raise UserError(f"{Path(folder) / ADAPTER_CONFIG} cannot be read ({' '.join(str(err).split())[:200]})") from err
-    if not adapter.modules_to_save and adapter.task_type != TaskType.CAUSAL_LM:
+    if new_head and not adapter.modules_to_save:
         raise UserError(f"{folder} holds a LoRA adapter without a trained head: evaluate a train.py output")
     fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code, **fields)
@@ -133,7 +126,7 @@ def load_adapter_folder(auto_class, folder, dtype, pad_token_id=None, trust_remo
             f"({' '.join(str(err).split())[:300]}); the base model must be where training found it, or set "
             f"base_model_name_or_path in {Path(folder) / ADAPTER_CONFIG} to where it is now"
         ) from err
-    _head_to_fp32(base)  # as in training, so that the saved fp32 head is not rounded on loading
+    _head_to_fp32(base, head_modules(base) if new_head else [])  # as in training: the saved fp32 head stays exact
     with _peft_reading_deprecated_attributes():
         return PeftModel.from_pretrained(base, folder)
 

@@ -120,14 +120,17 @@ def load_model(
     )
 
 
-def load_trained_model(auto_class, model_dir: str, pad_token_id=None, mixed_precision="no", trust_remote_code=False):
+def load_trained_model(
+    auto_class, model_dir: str, pad_token_id=None, mixed_precision="no", trust_remote_code=False, new_head=True
+):
     """A fine-tuned model for evaluation: a whole model, or a LoRA output folder (its adapter and head on the base
-    model it names, in the dtypes training used)."""
+    model it names, in the dtypes training used). `new_head`: the task trained a head of its own (see add_lora)."""
     from src.lora import is_adapter_folder, load_adapter_folder
 
     if is_adapter_folder(model_dir):
         dtype = weights_dtype(True, mixed_precision)
-        return _without_kv_cache(load_adapter_folder(auto_class, model_dir, dtype, pad_token_id, trust_remote_code))
+        adapter = load_adapter_folder(auto_class, model_dir, dtype, pad_token_id, trust_remote_code, new_head)
+        return _without_kv_cache(adapter)
     fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     config = _load("model config", AutoConfig.from_pretrained, model_dir, trust_remote_code=trust_remote_code, **fields)
     model, info = _load(
@@ -140,7 +143,7 @@ def load_trained_model(auto_class, model_dir: str, pad_token_id=None, mixed_prec
     return _without_kv_cache(model)
 
 
-def prepare_for_training(model, args, accelerator):
+def prepare_for_training(model, args, accelerator, task):
     """Gradient checkpointing and LoRA adapters, if asked; both need a Transformers model, as --push_to_hub does."""
     wanted = [flag for flag in ("use_peft", "gradient_checkpointing", "push_to_hub") if getattr(args, flag)]
     if wanted and not isinstance(model, PreTrainedModel):
@@ -156,7 +159,7 @@ def prepare_for_training(model, args, accelerator):
     if args.use_peft:
         from src.lora import add_lora
 
-        model = add_lora(model, args, accelerator)
+        model = add_lora(model, args, accelerator, task.peft_task_type, task.new_head)
     return model
 
 
@@ -169,7 +172,9 @@ def _without_kv_cache(model):
     return model
 
 
-def save_model(accelerator, model, output_dir: Path, merge_lora: bool = False, trust_remote_code: bool = False):
+def save_model(
+    accelerator, model, output_dir: Path, auto_class, merge_lora=False, trust_remote_code=False, new_head=True
+):
     """The final weights: the whole model (no DDP `module.` prefix; gathered first under FSDP/DeepSpeed), or for LoRA
     the adapter and head with the config they need (labels, pad token); with `merge_lora` a plain model with the
     adapter merged into its weights."""
@@ -196,13 +201,5 @@ def save_model(accelerator, model, output_dir: Path, merge_lora: bool = False, t
         unwrapped.save_pretrained(adapter_dir, state_dict=state_dict)
         base.config.save_pretrained(adapter_dir)
         backbone_dtype = next(base.base_model.parameters()).dtype  # the frozen weights' (bf16, or fp32)
-        auto_class = getattr(importlib.import_module("transformers"), _auto_class_name(base))
-        merged = load_adapter_folder(auto_class, adapter_dir, backbone_dtype, trust_remote_code=trust_remote_code)
+        merged = load_adapter_folder(auto_class, adapter_dir, backbone_dtype, None, trust_remote_code, new_head)
         merged.merge_and_unload().save_pretrained(output_dir)
-
-
-def _auto_class_name(model) -> str:
-    """The Auto class that builds `model`'s class again (LlamaForSequenceClassification -> AutoModelFor...)."""
-    head = next(suffix for suffix in ("ForSequenceClassification", "ForTokenClassification", "ForCausalLM")
-                if type(model).__name__.endswith(suffix))  # fmt: skip
-    return f"AutoModel{head}"

@@ -46,9 +46,7 @@ def best_metric(args, task) -> tuple[str, bool]:
             f"--metric_for_best_model {name!r} is not reported for {task.describe()}; use one of "
             f"{', '.join(k for k in known if '/' not in k)}{extra}"
         )
-    greater = (
-        args.greater_is_better if args.greater_is_better is not None else name not in ("mse", "loss", "perplexity")
-    )
+    greater = args.greater_is_better if args.greater_is_better is not None else name not in task.lower_is_better
     return name, greater
 
 

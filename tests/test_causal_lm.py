@@ -11,7 +11,7 @@ from datasets import Dataset
 
 from src.errors import UserError
 from src.model import load_tokenizer
-from src.plan import learning_rate
+from src.plan import best_metric, learning_rate
 from src.tasks import detect_task
 from src.tasks.causal_lm import CHAT, IGNORE, PROMPT_COMPLETION, TEXT, CausalLM
 
@@ -72,6 +72,8 @@ def test_the_task_has_its_own_defaults_where_a_classifiers_do_not_fit():
     assert (CausalLM.default_max_length, CausalLM.default_learning_rate) == (1024, 2e-5)
     assert learning_rate(types.SimpleNamespace(learning_rate=None), CausalLM(TEXT)) == 2e-5
     assert learning_rate(types.SimpleNamespace(learning_rate=3e-4), CausalLM(TEXT)) == 3e-4  # the flag wins
+    choice = types.SimpleNamespace(metric_for_best_model="perplexity", greater_is_better=None)
+    assert best_metric(choice, CausalLM(TEXT)) == ("perplexity", False)  # the lowest perplexity is the best
 
 
 def test_the_format_is_found_from_the_columns():
@@ -142,3 +144,15 @@ def test_a_global_batch_gives_the_same_update_however_it_is_split(tiny_decoders,
         weights[name] = load_file(tmp_path / name / "model.safetensors")
     worst = max((weights["one"][k] - weights["accumulated"][k]).abs().max().item() for k in weights["one"])
     assert worst < WEIGHTS_ATOL, f"weights differ by up to {worst}"
+
+
+def test_chat_rows_and_templates_that_cannot_be_learnt_are_one_line(tokenizer):
+    task = CausalLM(CHAT)
+    chat_tokenizer = task.load_tokenizer(str(tokenizer.name_or_path), types.SimpleNamespace(trust_remote_code=False))
+    with pytest.raises(UserError, match="a chat row must list turns with 'role' and 'content'"):
+        task.features(Dataset.from_list([{"messages": [{"speaker": "user", "text": "hi"}]}]), chat_tokenizer, 64)
+    # A template that renders only the last turn (as some that drop earlier reasoning do) moves earlier turns.
+    chat_tokenizer.chat_template = "{{ messages[-1]['content'] }}{% if add_generation_prompt %} >{% endif %}"
+    turns = [{"role": "user", "content": "the plot"}, {"role": "assistant", "content": "was good"}]
+    with pytest.raises(UserError, match="does not render a conversation as the sum of its turns"):
+        task.features(Dataset.from_list([{"messages": turns}]), chat_tokenizer, 64)

@@ -88,6 +88,8 @@ def test_a_tasks_own_flags_exist_only_when_it_is_chosen(tiny_model, tiny_data, t
     with pytest.raises(SystemExit):
         parse_train_args([*base, "--embedding_dim", "8"])  # sequence classification has no such flag
     with pytest.raises(SystemExit):
+        parse_train_args([*base, "--task", TASK, "--embedding_dim", "0"])  # a one-line error, not a traceback later
+    with pytest.raises(SystemExit):
         parse_train_args([*base, "--tas", TASK])  # no prefix matching: --tas is neither --task nor --task_name
 
 

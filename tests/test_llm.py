@@ -67,7 +67,7 @@ def built(model_dir, *argv, mixed_precision="no"):
     accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
     args = flags("--model_name_or_path", str(model_dir), *argv)
     model = TASK.build_model(args, tokenizer, accelerator.mixed_precision)
-    return prepare_for_training(model, args, accelerator), tokenizer
+    return prepare_for_training(model, args, accelerator, TASK), tokenizer
 
 
 def logits_alone_and_in_a_batch(model, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +148,7 @@ def test_decoders_keep_no_kv_cache_nor_does_their_saved_folder(tiny_decoders, tm
         for merge in (False, True) if lora else (False,):
             out = tmp_path / f"{layout}-{merge}"
             out.mkdir()  # as train.py made it
-            save_model(Accelerator(cpu=True), model, out, merge_lora=merge)
+            save_model(Accelerator(cpu=True), model, out, AutoModelForSequenceClassification, merge_lora=merge)
             assert json.loads((out / "config.json").read_text())["use_cache"] is False, (layout, merge)
             # as evaluate.py loads it
             loaded = load_trained_model(AutoModelForSequenceClassification, str(out), tokenizer.pad_token_id)

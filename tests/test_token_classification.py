@@ -172,17 +172,35 @@ def test_byte_level_tokenizers_read_words_with_a_leading_space(tiny_decoders, tm
         assert tokens.count("Ġ") == spaces, tokens
 
 
-def test_accumulated_steps_weigh_every_label_token_alike(tiny_model_no_dropout, tmp_path):
-    """Sentences have different numbers of tagged sub-tokens, so 2 batches of 4 accumulated equal 1 batch of 8 only
-    when each batch's summed loss is divided by the whole step's tokens (a mean per batch would weigh the tokens of a
-    short batch more). The same 8 sentences make each step either way (the sampler deals by optimizer step)."""
+def test_a_step_weighs_every_label_token_alike_however_it_is_split(tiny_model_no_dropout, tmp_path):
+    """Sentences have different numbers of tagged sub-tokens, so 1 batch of 8, 2 batches of 4 accumulated and batches
+    of 4 on 2 real ranks give the same update only when each batch's summed loss is divided by the whole step's tokens
+    on all ranks (a mean per batch, or per rank, weighs the tokens of a short batch more). The same 8 sentences make
+    each step every way (the sampler deals by optimizer step)."""
     train, dev = jsonl_rows(UNER / "train.jsonl", 32, tmp_path), jsonl_rows(UNER / "validation.jsonl", 8, tmp_path)
     weights = {}
-    for name, sizes in {"one": ["8", "1"], "accumulated": ["4", "2"]}.items():
-        batches = ["--per_device_train_batch_size", sizes[0], "--gradient_accumulation_steps", sizes[1]]
+    for name, (size, steps, ranks) in {
+        "one": ("8", "1", 1),
+        "accumulated": ("4", "2", 1),
+        "ranks": ("4", "1", 2),
+    }.items():
+        batches = ["--per_device_train_batch_size", size, "--gradient_accumulation_steps", steps]
         argv = train_args(tiny_model_no_dropout, train, dev, tmp_path / name, *batches, "--num_train_epochs", "1")
-        run_in_process("train", argv)
+        if ranks == 1:
+            run_in_process("train", argv)
+        else:
+            result = launch("train.py", argv, num_processes=ranks)
+            assert result.returncode == 0, result.stderr[-3000:]
         weights[name] = load_file(tmp_path / name / "model.safetensors")
-    assert (
-        max((weights["one"][k] - weights["accumulated"][k]).abs().max().item() for k in weights["one"]) < WEIGHTS_ATOL
-    )
+    for name in ("accumulated", "ranks"):
+        worst = max((weights["one"][k] - weights[name][k]).abs().max().item() for k in weights["one"])
+        assert worst < WEIGHTS_ATOL, f"{name}: weights differ by up to {worst}"
+
+
+def test_a_row_with_more_words_than_tags_is_one_line(tmp_path):
+    tokenizer = load_tokenizer(default_model_path())
+    data = Dataset.from_list([{"tokens": ["New", "York"], "ner_tags": ["B-LOC", "I-LOC"]},
+                              {"tokens": ["in", "Paris"], "ner_tags": ["O"]}])  # fmt: skip
+    task = TokenClassification(("B-LOC", "I-LOC", "O"), ("tokens", "ner_tags"))
+    with pytest.raises(UserError, match="row 1 has 2 words in 'tokens' and 1 tags in 'ner_tags'"):
+        task.features(data, tokenizer, 32)

@@ -28,6 +28,11 @@ class Task:
     auto_class = ""
     default_max_length = 128  # --max_length when not given (or the model's limit if less)
     default_learning_rate = 5e-5  # --learning_rate when not given
+    lower_is_better = ("loss",)  # metrics for which the best model has the lowest value
+    # LoRA: peft's task type, and whether the head is new (trained in full and saved with the adapter) rather than
+    # a pretrained one adapted through the backbone (a causal LM's).
+    peft_task_type = ""
+    new_head = True
 
     # --- choosing the task ---
     @staticmethod
@@ -80,9 +85,12 @@ class Task:
         )  # fmt: skip
 
     def save_model(self, accelerator, model, output_dir, args):
+        import transformers
+
         from src.model import save_model
 
-        save_model(accelerator, model, output_dir, args.merge_lora, args.trust_remote_code)
+        save_model(accelerator, model, output_dir, getattr(transformers, self.auto_class), args.merge_lora,
+                   args.trust_remote_code, self.new_head)  # fmt: skip
 
     def load_model(self, model_dir, args, tokenizer, mixed_precision: str):
         """The trained model that `save_model` wrote, for evaluate.py."""
@@ -91,7 +99,7 @@ class Task:
         from src.model import load_trained_model
 
         return load_trained_model(getattr(transformers, self.auto_class), model_dir, tokenizer.pad_token_id,
-                                  mixed_precision, args.trust_remote_code)  # fmt: skip
+                                  mixed_precision, args.trust_remote_code, self.new_head)  # fmt: skip
 
     # --- the data ---
     def features(self, dataset, tokenizer, max_length: int):

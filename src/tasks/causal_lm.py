@@ -35,6 +35,9 @@ class CausalLM(Task):
     format: str = TEXT
 
     auto_class = "AutoModelForCausalLM"
+    peft_task_type = "CAUSAL_LM"
+    new_head = False  # the LM head is pretrained: adapted through the backbone, not retrained in full
+    lower_is_better = ("loss", "perplexity")
     name = "causal-lm"
     main_metric = "loss"
     default_max_length = 1024  # most SFT rows are longer than a classifier's 128 tokens
@@ -119,15 +122,18 @@ class CausalLM(Task):
 
     def step(self, model, batch: dict) -> Step:
         """Each predicted token's cross-entropy (token t predicts token t+1), summed; per example its summed loss, its
-        predicted tokens and how many of them the model got right (for mean_token_accuracy)."""
+        predicted tokens and how many of them the model got right (for mean_token_accuracy, in evaluation only: an
+        argmax over the vocabulary at every position is not for the training loop)."""
         labels = batch.pop("labels")
         logits = model(**batch)["logits"][:, :-1].float()
         targets = labels[:, 1:]
         losses = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
         known = targets != IGNORE
         units = known.sum(-1)
-        correct = ((logits.argmax(-1) == targets) & known).sum(-1)
-        return Step(losses.sum(), units.sum(), {"loss": losses.sum(-1), "units": units, "correct": correct})
+        outputs = {"loss": losses.sum(-1), "units": units}
+        if not model.training:
+            outputs["correct"] = ((logits.argmax(-1) == targets) & known).sum(-1)
+        return Step(losses.sum(), units.sum(), outputs)
 
     # --- evaluation ---
     def metric_names(self) -> list[str]:
@@ -183,19 +189,30 @@ def _prompt_completion_example(tokenizer, row: dict, max_length: int) -> tuple[l
 def _chat_example(tokenizer, row: dict, max_length: int) -> tuple[list[int], list[int]]:
     """The conversation through the chat template, learning the assistant's turns only: each turn is where the
     template's rendering of the conversation up to it goes beyond the rendering up to the turn's prompt."""
-    messages = row.get("messages") or [
-        {"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]), "content": turn["value"]}
-        for turn in row["conversations"]
-    ]
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    turns = row.get("messages") or row.get("conversations") or []
+    if not all(isinstance(turn, dict) and ({"role", "content"} <= set(turn) or {"from", "value"} <= set(turn))
+               for turn in turns):  # fmt: skip
+        raise UserError(f"a chat row must list turns with 'role' and 'content' (or ShareGPT 'from' and 'value'); "
+                        f"found {str(turns)[:200]}")  # fmt: skip
+    messages = [turn if "role" in turn else {"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]),
+                                             "content": turn["value"]} for turn in turns]  # fmt: skip
+
+    def rendered(until: int, **options) -> list[int]:
+        return tokenizer.apply_chat_template(messages[:until], tokenize=True, return_dict=False, **options)
+
+    ids = rendered(len(messages))
     labels = [IGNORE] * len(ids)
     for turn, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(tokenizer.apply_chat_template(messages[:turn], tokenize=True, add_generation_prompt=True,
-                                                  return_dict=False))  # fmt: skip
-        end = len(tokenizer.apply_chat_template(messages[: turn + 1], tokenize=True, return_dict=False))
-        labels[start:end] = ids[start:end]
+        prompt, through = rendered(turn, add_generation_prompt=True), rendered(turn + 1)
+        # Labels by position hold only if the template renders a conversation as its turns one after another.
+        if ids[: len(prompt)] != prompt or ids[: len(through)] != through:
+            raise UserError(
+                "the chat template does not render a conversation as the sum of its turns (it changes earlier turns "
+                "when later ones follow), so the assistant's tokens cannot be found; use another template"
+            )
+        labels[len(prompt) : len(through)] = ids[len(prompt) : len(through)]
     return ids[:max_length], labels[:max_length]
 
 

@@ -32,6 +32,8 @@ class SequenceClassification(Task):
     columns: tuple[str | None, str | None, str | None] = (None, None, None)  # text, text pair, label
 
     auto_class = "AutoModelForSequenceClassification"
+    peft_task_type = "SEQ_CLS"
+    lower_is_better = ("loss", "mse")
     name = "sequence-classification"
 
     @staticmethod

@@ -16,6 +16,7 @@ from src.tasks.base import Step, Task
 logger = get_logger(__name__)
 IGNORE = -100  # the label of special tokens, padding and (without --label_all_tokens) later sub-tokens of a word
 WORD_COLUMNS = ("tokens", "words")
+CUT_COLUMN = "words_cut_off"  # per example, the words that --max_length leaves without a sub-token
 TAG_COLUMNS = ("ner_tags", "tags", "upos", "pos_tags", "ner", "labels", "label")
 FLAGS = {
     "--label_all_tokens": "Label every sub-token of a word (B-X becomes I-X after the first), not the first only; the "
@@ -34,6 +35,7 @@ class TokenClassification(Task):
 
     name = "token-classification"
     auto_class = "AutoModelForTokenClassification"
+    peft_task_type = "TOKEN_CLS"
 
     @staticmethod
     def add_arguments(parser):
@@ -118,21 +120,21 @@ class TokenClassification(Task):
             dataset.features[tags_column].feature, ClassLabel) else None  # fmt: skip
         inside = [tag_id.get("I-" + name[2:], tag_id[name]) if name.startswith("B-") else tag_id[name]
                   for name in self.label_names]  # fmt: skip
-        cut = [0, 0]  # words cut off, examples with a word cut off
 
         def encode(rows, indices):
             encoded = tokenizer(rows[words_column], is_split_into_words=True, truncation=True, max_length=max_length)
             encoded[INDEX_COLUMN] = indices
             encoded[LENGTH_COLUMN] = [len(ids) for ids in encoded["input_ids"]]
-            all_labels = []
+            encoded[CUT_COLUMN], all_labels = [], []
             for row, words in enumerate(rows[words_column]):
                 word_ids = encoded.word_ids(row)
-                kept = max((w for w in word_ids if w is not None), default=-1) + 1
-                if kept < len(words):
-                    cut[0], cut[1] = cut[0] + len(words) - kept, cut[1] + 1
+                encoded[CUT_COLUMN].append(len(words) - max((w for w in word_ids if w is not None), default=-1) - 1)
                 if tags_column is None:
                     continue
                 tags = rows[tags_column][row]
+                if len(tags) != len(words):
+                    raise UserError(f"row {indices[row]} has {len(words)} words in {words_column!r} and {len(tags)} "
+                                    f"tags in {tags_column!r}: give every word one tag")  # fmt: skip
                 unknown = {t for t in tags if (names[t] if names else t) not in tag_id}
                 if unknown:
                     raise UserError(f"tag(s) {', '.join(sorted(map(str, unknown))[:10])} in column {tags_column!r} "
@@ -153,9 +155,13 @@ class TokenClassification(Task):
             return encoded
 
         features = dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
-                               desc="Tokenizing", load_from_cache_file=False)  # fmt: skip
-        if cut[0]:
-            logger.warning(f"{cut[0]} word(s) in {cut[1]} of {len(dataset)} examples do not fit in --max_length "
+                               desc="Tokenizing")  # fmt: skip
+        # Counted from a column, not while mapping: a cached map (every rank but the first) runs no code.
+        cut = features.with_format("numpy")[CUT_COLUMN][:]
+        features = features.remove_columns(CUT_COLUMN)
+        if cut.sum():
+            where = f"{cut.sum()} word(s) in {(cut > 0).sum()} of {len(dataset)} examples"
+            logger.warning(f"{where} do not fit in --max_length "
                            f"{max_length} sub-tokens: they get no tag and are left out of the metrics; raise "
                            "--max_length to score them")  # fmt: skip
         return features
