@@ -46,9 +46,9 @@ def parse_eval_args(argv=None):
     return Flags(vars(args))
 
 
-def load_split(args) -> Dataset:
+def load_split(args, keep_linebreaks: bool = True) -> Dataset:
     if args.validation_file:
-        data = load_file(args.validation_file)
+        data = load_file(args.validation_file, keep_linebreaks)
     else:
         splits = load_hub_dataset(args.dataset_name, args.dataset_config_name, instead="--validation_file")
         name = pick_split(splits, args.split)
@@ -73,7 +73,7 @@ def main(args):
     logger.info(f"Mixed precision = {precision} ({why})")
 
     with main_process_first(accelerator, args.data_preparation_timeout):
-        data = load_split(args)
+        data = load_split(args, record.get("keep_linebreaks", True))  # a .txt file read as in training
         if record.get("task_name"):  # GLUE ids in a local file, named as the model's labels are
             data = glue_labels(data, record["task_name"], args.label_column or record.get("label_column"))
         # The task the model was trained for, never detected again: its record says how to read the data.

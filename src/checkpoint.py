@@ -119,6 +119,10 @@ SAME_ON_RESUME = (
     "max_train_samples",
     "validation_split_percentage",  # without a validation file, it decides which rows train
     "max_length",
+    "tokenizer_name",
+    "keep_linebreaks",  # a .txt file's blocks
+    "completion_only_loss",  # which tokens are learnt
+    "assistant_only_loss",
 )
 
 

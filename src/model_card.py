@@ -36,7 +36,7 @@ def write_model_card(output_dir: Path, settings: dict, results: dict, task):
     lines = [
         f"# {settings.get('hub_model_id') if settings.get('push_to_hub') else output_dir.name}",
         "",
-        f"Fine-tuned from `{base_name}` on {data} for {kind}, with an Accelerate training script (train.py).",
+        f"{_origin(settings, base_name)} on {data} for {kind}, with an Accelerate training script (train.py).",
         "",
     ]
     if labels:
@@ -58,6 +58,13 @@ def write_model_card(output_dir: Path, settings: dict, results: dict, task):
     lines += ["## How to use", "", "```python", *card["usage"]]
     lines += ["```", ""]
     (output_dir / "README.md").write_text("\n".join(metadata + lines))
+
+
+def _origin(settings: dict, base_name: str | None) -> str:
+    if base_name:
+        return f"Fine-tuned from `{base_name}`"
+    new = settings.get("config_name") or settings.get("model_type")
+    return f"A new `{new}` model with random weights (built from its config), trained"
 
 
 def _base_model_id(name: str | None) -> str | None:

@@ -1,5 +1,6 @@
 """Causal-LM fine-tuning through the task interface: which tokens are learnt in each format (text, prompt/completion,
-chat), EOS kept though it pads, the formats found from the data, and a LoRA run that evaluate.py reproduces."""
+chat) and with which options, EOS kept though it pads, the formats found from the data, a new model from a config, an
+encoder made a decoder, and a LoRA run that evaluate.py reproduces."""
 
 import json
 import types
@@ -16,6 +17,20 @@ from src.tasks import detect_task
 from src.tasks.causal_lm import CHAT, IGNORE, PROMPT_COMPLETION, TEXT, CausalLM
 
 SFT = REPO.parent / "shared" / "data" / "alpaca_eval_sft"
+CHAT_TEMPLATE = str(REPO / "examples" / "chat_template.jinja")
+MESSAGES = [{"role": "user", "content": "the plot"}, {"role": "assistant", "content": "was good"},
+            {"role": "user", "content": "and the acting"}, {"role": "assistant", "content": "was bad"}]  # fmt: skip
+
+
+def options(**given):
+    """The causal-LM flags as parsed, with their defaults."""
+    flags = {"completion_only_loss": True, "assistant_only_loss": False, "chat_template_path": None}
+    return types.SimpleNamespace(trust_remote_code=False, **(flags | given))
+
+
+def chat_task(tokenizer, **given):
+    task = CausalLM.from_data(options(**given), Dataset.from_list([{"messages": MESSAGES}]))
+    return task, task.load_tokenizer(str(tokenizer.name_or_path), options(**given))
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +61,25 @@ def test_prompt_completion_learns_the_completion_and_its_eos_only(tokenizer):
     assert short[len(features[1]["labels"]) :] == [IGNORE] * (len(short) - len(features[1]["labels"]))
 
 
-def test_chat_learns_the_assistant_turns_only(tokenizer):
-    messages = [{"role": "user", "content": "the plot"}, {"role": "assistant", "content": "was good"},
-                {"role": "user", "content": "and the acting"}, {"role": "assistant", "content": "was bad"}]  # fmt: skip
-    task = CausalLM(CHAT)
-    chat_tokenizer = task.load_tokenizer(str(tokenizer.name_or_path), types.SimpleNamespace(trust_remote_code=False))
-    row = task.features(Dataset.from_list([{"messages": messages}]), chat_tokenizer, 256)[0]
+def test_chat_learns_every_token_or_with_assistant_only_loss_the_assistant_turns_and_their_eos(tokenizer):
+    task, chat_tokenizer = chat_task(tokenizer, chat_template_path=CHAT_TEMPLATE)
+    row = task.features(Dataset.from_list([{"messages": MESSAGES}]), chat_tokenizer, 256)[0]
+    assert row["labels"] == row["input_ids"]  # TRL's default for chat rows
+    task, chat_tokenizer = chat_task(tokenizer, chat_template_path=CHAT_TEMPLATE, assistant_only_loss=True)
+    row = task.features(Dataset.from_list([{"messages": MESSAGES}]), chat_tokenizer, 256)[0]
     eos = chat_tokenizer.eos_token
     assert learnt(chat_tokenizer, row["input_ids"], row["labels"]).split() == f"was good {eos} was bad {eos}".split()
-    sharegpt = [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in messages]
+    sharegpt = [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in MESSAGES]
     again = task.features(Dataset.from_list([{"conversations": sharegpt}]), chat_tokenizer, 256)[0]
     assert again["labels"] == row["labels"]
+
+
+def test_without_completion_only_loss_the_prompt_is_learnt_too(tokenizer):
+    data = Dataset.from_list([{"prompt": "the plot was good", "completion": "yes it was"}])
+    task = CausalLM.from_data(options(completion_only_loss=False), data)
+    row = task.features(data, tokenizer, 64)[0]
+    assert row["labels"] == row["input_ids"] and row["input_ids"][-1] == tokenizer.eos_token_id
+    assert task.record()["completion_only_loss"] is False  # evaluate.py and resume learn the same tokens
 
 
 def test_text_is_cut_into_blocks_and_nothing_is_dropped(tokenizer):
@@ -81,10 +104,10 @@ def test_the_format_is_found_from_the_columns():
                      ({"conversations": [{"from": "human", "value": "hi"}]}, CHAT),
                      ({"prompt": "a", "completion": "b"}, PROMPT_COMPLETION), ({"text": "a"}, TEXT)]:  # fmt: skip
         cls, _ = detect_task(Dataset.from_list([row]))
-        assert cls is CausalLM and CausalLM.from_data(None, Dataset.from_list([row])).format == fmt
+        assert cls is CausalLM and CausalLM.from_data(options(), Dataset.from_list([row])).format == fmt
     assert detect_task(Dataset.from_list([{"text": "a", "label": 1}]))[0].name == "sequence-classification"
     with pytest.raises(UserError, match="the columns are sentence, label"):
-        CausalLM.from_data(None, Dataset.from_list([{"sentence": "a", "label": 1}]))
+        CausalLM.from_data(options(), Dataset.from_list([{"sentence": "a", "label": 1}]))
 
 
 def test_lora_sft_on_chat_rows_and_evaluate_py_reproduces_it(tiny_decoders, tmp_path):
@@ -92,10 +115,12 @@ def test_lora_sft_on_chat_rows_and_evaluate_py_reproduces_it(tiny_decoders, tmp_
     lines = (SFT / "train_messages.jsonl").read_text().splitlines()
     train.write_text("\n".join(lines[:24]) + "\n")
     dev.write_text("\n".join((SFT / "validation_messages.jsonl").read_text().splitlines()[:9]) + "\n")
-    flags = ["--use_peft", "--num_train_epochs", "1", "--max_length", "64"]
+    flags = ["--use_peft", "--num_train_epochs", "1", "--max_length", "64", "--assistant_only_loss",
+             "--chat_template_path", CHAT_TEMPLATE]  # fmt: skip
     results = run_in_process("train", train_args(tiny_decoders["llama"], train, dev, tmp_path / "out", *flags))
     record = json.loads((tmp_path / "out" / "args.json").read_text())
     assert record["task"] == "causal-lm" and record["format"] == CHAT and record["metric_for_best_model"] == "loss"
+    assert record["assistant_only_loss"] is True
     assert record["learning_rate"] == 1e-3 and record["max_length"] == 64  # as given (train_args), in the record
     assert {"eval_loss", "eval_perplexity", "eval_mean_token_accuracy", "train_loss"} <= set(results)
     adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
@@ -146,13 +171,91 @@ def test_a_global_batch_gives_the_same_update_however_it_is_split(tiny_decoders,
     assert worst < WEIGHTS_ATOL, f"weights differ by up to {worst}"
 
 
-def test_chat_rows_and_templates_that_cannot_be_learnt_are_one_line(tokenizer):
-    task = CausalLM(CHAT)
-    chat_tokenizer = task.load_tokenizer(str(tokenizer.name_or_path), types.SimpleNamespace(trust_remote_code=False))
+def test_chat_rows_and_templates_that_cannot_be_learnt_are_one_line(tokenizer, tmp_path):
+    with pytest.raises(UserError, match="has no chat template to render `messages` with: pass one with "):
+        chat_task(tokenizer)  # the tiny Llama's tokenizer has none, as base models' have none
+    template = tmp_path / "plain.jinja"  # no {% generation %} markers
+    template.write_text("{% for m in messages %}{{ m['content'] + eos_token }}{% endfor %}")
+    with pytest.raises(UserError, match="--assistant_only_loss needs a chat template that marks the assistant's"):
+        chat_task(tokenizer, chat_template_path=template, assistant_only_loss=True)
+    with pytest.raises(UserError, match="--assistant_only_loss is for chat rows"):
+        CausalLM.from_data(options(assistant_only_loss=True), Dataset.from_list([{"text": "the plot"}]))
+    task, chat_tokenizer = chat_task(tokenizer, chat_template_path=CHAT_TEMPLATE)
     with pytest.raises(UserError, match="a chat row must list turns with 'role' and 'content'"):
         task.features(Dataset.from_list([{"messages": [{"speaker": "user", "text": "hi"}]}]), chat_tokenizer, 64)
-    # A template that renders only the last turn (as some that drop earlier reasoning do) moves earlier turns.
-    chat_tokenizer.chat_template = "{{ messages[-1]['content'] }}{% if add_generation_prompt %} >{% endif %}"
-    turns = [{"role": "user", "content": "the plot"}, {"role": "assistant", "content": "was good"}]
-    with pytest.raises(UserError, match="does not render a conversation as the sum of its turns"):
-        task.features(Dataset.from_list([{"messages": turns}]), chat_tokenizer, 64)
+
+
+def test_a_new_model_from_a_config_trains_on_a_text_file_and_loads_with_from_pretrained(tiny_decoders, tmp_path):
+    """run_clm_no_trainer.py's way to train from scratch: --model_type, --config_overrides and --tokenizer_name; the
+    model's vocabulary and special tokens are the tokenizer's."""
+    from transformers import AutoModelForCausalLM
+
+    text = tmp_path / "train.txt"
+    text.write_text("".join(f"the plot was {'good' if i % 2 else 'bad'}\n" for i in range(40)))
+    small = "hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2"
+    argv = train_args(tiny_decoders["llama"], text, text, tmp_path / "out", "--max_length", "16",
+                      "--preprocessing_num_workers", "2")[2:]  # fmt: skip
+    argv += ["--model_type", "llama", "--config_overrides", small, "--tokenizer_name", str(tiny_decoders["llama"])]
+    results = run_in_process("train", argv)
+    assert results["perplexity"] == results["eval_perplexity"]  # top level too, as run_clm_no_trainer.py writes it
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    tokenizer = load_tokenizer(str(tiny_decoders["llama"]))
+    assert (model.config.hidden_size, model.config.vocab_size) == (32, len(tokenizer))
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "A new `llama` model with random weights (built from its config), trained on `train.txt`" in card
+
+
+def test_text_is_tokenized_in_parallel_into_the_same_blocks(tokenizer):
+    texts = Dataset.from_list([{"text": f"the plot was {'good ' * (i % 5)}"} for i in range(30)])
+    alone = CausalLM(TEXT).features(texts, tokenizer, 8)
+    assert CausalLM(TEXT).features(texts, tokenizer, 8, num_proc=2)["input_ids"] == alone["input_ids"]
+
+
+def test_an_encoder_is_switched_to_a_decoder_and_never_sees_the_tokens_it_predicts(tiny_model, caplog):
+    """The tiny BERT loaded as a causal LM: each position's logits must not change when later tokens do."""
+    import torch
+
+    from src.model import load_tokenizer as load
+
+    args = types.SimpleNamespace(model_name_or_path=str(tiny_model), trust_remote_code=False, use_peft=False,
+                                 ignore_mismatched_sizes=True)  # fmt: skip
+    PartialState(cpu=True)  # accelerate's logger
+    with caplog.at_level("WARNING"):
+        model = CausalLM(TEXT).build_model(args, load(str(tiny_model)), "no").eval()
+    assert "BertConfig is an encoder: switched to a decoder" in caplog.text and model.config.is_decoder
+    ids = torch.tensor([[2, 10, 11, 12, 13, 14, 15, 3]])
+    later = ids.clone()
+    later[0, 5:] = torch.tensor([20, 21, 22])
+    with torch.no_grad():
+        first, second = model(input_ids=ids).logits[0, :5], model(input_ids=later).logits[0, :5]
+    assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--config_name", "x", "--model_type", "llama"], "--config_name and --model_type both describe"),
+        (["--model_type", "llama", "--model_name_or_path", "x"], "--model_type builds a new model with random"),
+        (["--config_overrides", "n_layer=2"], "--config_overrides changes the config of a new model"),
+        (["--model_type", "lama"], "'lama' is not an architecture transformers knows; did you mean"),
+        (["--model_type", "llama", "--use_peft"], "--use_peft adapts a trained model"),
+    ],
+)
+def test_new_model_flags_that_contradict_each_other_are_one_line(flags, message, capsys):
+    from src.args import parse_train_args
+
+    with pytest.raises(SystemExit):
+        parse_train_args(["--train_file", "t.txt", *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_keep_linebreaks_in_both_spellings(tmp_path):
+    from src.args import parse_train_args
+
+    assert parse_train_args([]).keep_linebreaks
+    assert not parse_train_args(["--no_keep_linebreaks"]).keep_linebreaks  # run_clm_no_trainer.py's
+    assert not parse_train_args(["--no-keep_linebreaks"]).keep_linebreaks
+    config = tmp_path / "run.yaml"
+    config.write_text("keep_linebreaks: false\n")
+    assert not parse_train_args(["--config", str(config)]).keep_linebreaks

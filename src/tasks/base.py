@@ -29,6 +29,7 @@ class Task:
     default_max_length = 128  # --max_length when not given (or the model's limit if less)
     default_learning_rate = 5e-5  # --learning_rate when not given
     lower_is_better = ("loss",)  # metrics for which the best model has the lowest value
+    top_level_metrics = ()  # evaluation metrics that all_results.json also holds without their eval_ prefix
     # LoRA: peft's task type, and whether the head is new (trained in full and saved with the adapter) rather than
     # a pretrained one adapted through the backbone (a causal LM's).
     peft_task_type = ""
@@ -76,12 +77,13 @@ class Task:
         """The model to train, weights in fp32 (or, frozen under LoRA, as stored)."""
         import transformers
 
-        from src.model import load_model
+        from src.model import load_config, load_model
 
+        config = load_config(args, self.config_fields(), tokenizer, decoder=self.auto_class == "AutoModelForCausalLM")
         return load_model(
-            getattr(transformers, self.auto_class), args.model_name_or_path, self.config_fields(),
-            pad_token_id=tokenizer.pad_token_id, lora=args.use_peft, mixed_precision=mixed_precision,
-            trust_remote_code=args.trust_remote_code, ignore_mismatched_sizes=args.ignore_mismatched_sizes,
+            getattr(transformers, self.auto_class), args.model_name_or_path, config, lora=args.use_peft,
+            mixed_precision=mixed_precision, trust_remote_code=args.trust_remote_code,
+            ignore_mismatched_sizes=args.ignore_mismatched_sizes,
         )  # fmt: skip
 
     def save_model(self, accelerator, model, output_dir, args):
@@ -102,8 +104,9 @@ class Task:
                                   mixed_precision, args.trust_remote_code, self.new_head)  # fmt: skip
 
     # --- the data ---
-    def features(self, dataset, tokenizer, max_length: int):
-        """Rows to model inputs, with the row's position (`INDEX_COLUMN`) and token count (`LENGTH_COLUMN`)."""
+    def features(self, dataset, tokenizer, max_length: int, num_proc: int | None = None):
+        """Rows to model inputs, with the row's position (`INDEX_COLUMN`) and token count (`LENGTH_COLUMN`);
+        tokenized in `num_proc` processes (--preprocessing_num_workers) if given."""
         raise NotImplementedError
 
     def collator(self, tokenizer, pad_to_multiple_of=None, pad_to_length=None):

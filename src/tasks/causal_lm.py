@@ -1,13 +1,18 @@
 """Causal-LM fine-tuning: continued pretraining on text, and supervised fine-tuning on prompt/completion pairs or chat
-conversations, with the loss on what the model should write (the completion, the assistant's turns) only.
+conversations.
 
 Formats, found from the training rows as TRL's SFTTrainer and run_clm_no_trainer.py read them: `messages` (role and
 content) or ShareGPT `conversations` (from and value): chat; `prompt` + `completion`; a `text` column without labels
-(or a .txt file): text, concatenated and cut into blocks of --max_length tokens.
+(or a .txt file): text, concatenated and cut into blocks of --max_length tokens. Which tokens are learnt follows
+TRL's defaults: a completion only (--completion_only_loss), every token of a chat unless --assistant_only_loss.
 """
 
+import argparse
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -22,26 +27,48 @@ logger = get_logger(__name__)
 IGNORE = -100
 CHAT, PROMPT_COMPLETION, TEXT = "chat", "prompt-completion", "text"
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-# For tokenizers without a chat template (base models, the tests' tiny ones): each turn ends with EOS, so that the
-# model learns to stop. Saved into the output's tokenizer, so evaluation and inference render turns the same way.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
+# How a chat template marks what the assistant writes, for --assistant_only_loss (transformers' assistant mask).
+GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 @dataclass(frozen=True)
 class CausalLM(Task):
     format: str = TEXT
+    completion_only_loss: bool = True  # prompt/completion rows: no loss on the prompt
+    assistant_only_loss: bool = False  # chat rows: loss on the assistant's turns only (else on every token)
+    # --chat_template_path's text, put into the tokenizer (and so saved with it); not part of the run record.
+    chat_template: str | None = field(default=None, compare=False, repr=False)
 
     auto_class = "AutoModelForCausalLM"
     peft_task_type = "CAUSAL_LM"
     new_head = False  # the LM head is pretrained: adapted through the backbone, not retrained in full
     lower_is_better = ("loss", "perplexity")
+    top_level_metrics = ("perplexity",)  # where run_clm_no_trainer.py writes it
     name = "causal-lm"
     main_metric = "loss"
     default_max_length = 1024  # most SFT rows are longer than a classifier's 128 tokens
     default_learning_rate = 2e-5  # TRL's SFTTrainer's: a pretrained LM's head is not new, as a classifier's is
+
+    @staticmethod
+    def add_arguments(parser):
+        group = parser.add_argument_group("causal LM")
+        group.add_argument(
+            "--completion_only_loss",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="Prompt/completion rows: learn the completion (and its EOS) only, not the prompt (TRL's default).",
+        )
+        group.add_argument(
+            "--assistant_only_loss",
+            action="store_true",
+            help="Chat rows: learn the assistant's turns only (else every token, TRL's default). Needs a chat "
+            "template that marks them with {% generation %} (examples/chat_template.jinja does).",
+        )
+        group.add_argument(
+            "--chat_template_path",
+            help="A Jinja chat template for chat rows, for a model whose tokenizer has none; saved with the "
+            "tokenizer. E.g. examples/chat_template.jinja.",
+        )
 
     @staticmethod
     def recognises(train: Dataset) -> str | None:
@@ -57,38 +84,65 @@ class CausalLM(Task):
                 f"causal-LM fine-tuning reads `messages` (or `conversations`), `prompt` + `completion`, or `text` "
                 f"(or a .txt file); the columns are {', '.join(train.column_names)}"
             )
-        return cls(fmt)
+        if args.assistant_only_loss and fmt != CHAT:
+            raise UserError(f"--assistant_only_loss is for chat rows (`messages`), and this data is {fmt}: drop it")
+        template = None
+        if args.chat_template_path:
+            try:
+                template = Path(args.chat_template_path).read_text()
+            except OSError as err:
+                raise UserError(f"--chat_template_path {args.chat_template_path}: {err.strerror}") from err
+        return cls(fmt, args.completion_only_loss, args.assistant_only_loss, template)
 
     @classmethod
     def from_record(cls, record: dict, args, model_dir, column_names: list[str]) -> "CausalLM":
         fmt = _format_of(column_names)
         if fmt is None:
             raise UserError(f"the data has no columns a causal LM reads (its columns: {', '.join(column_names)})")
-        return cls(fmt)
+        # Runs recorded before these options existed learnt completions only, and every token of a chat.
+        return cls(fmt, record.get("completion_only_loss", True), record.get("assistant_only_loss", False))
 
     def record(self) -> dict:
-        return {"format": self.format}
+        return {"format": self.format, "completion_only_loss": self.completion_only_loss,
+                "assistant_only_loss": self.assistant_only_loss}  # fmt: skip
 
     def describe(self) -> str:
-        return f"causal-LM fine-tuning on {self.format}" + (
-            " (loss on the answers only)" if self.format != TEXT else ""
-        )
+        answers_only = (self.format == PROMPT_COMPLETION and self.completion_only_loss) or self.assistant_only_loss
+        return f"causal-LM fine-tuning on {self.format}" + (" (loss on the answers only)" if answers_only else "")
 
     def load_tokenizer(self, name_or_path: str, args):
         tokenizer = super().load_tokenizer(name_or_path, args)
-        if self.format == CHAT and not tokenizer.chat_template:
-            tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+        if tokenizer.eos_token is None:  # an encoder's (BERT's) tokenizer, for a model made a decoder: [SEP] ends
+            tokenizer.eos_token = tokenizer.sep_token
+        if self.chat_template:
+            tokenizer.chat_template = self.chat_template
+        if self.format != CHAT:
+            return tokenizer
+        if not tokenizer.chat_template:
+            raise UserError(
+                f"{name_or_path}'s tokenizer has no chat template to render `messages` with: pass one with "
+                "--chat_template_path (examples/chat_template.jinja is one), or use a chat model"
+            )
+        if self.assistant_only_loss and not GENERATION_BLOCK.search(tokenizer.chat_template):
+            raise UserError(
+                "--assistant_only_loss needs a chat template that marks the assistant's text with "
+                "{% generation %}...{% endgeneration %}, and this one does not: pass one with --chat_template_path "
+                "(examples/chat_template.jinja), or drop --assistant_only_loss"
+            )
         return tokenizer
 
     # --- the data ---
-    def features(self, dataset: Dataset, tokenizer, max_length: int) -> Dataset:
+    def features(self, dataset: Dataset, tokenizer, max_length: int, num_proc: int | None = None) -> Dataset:
         """input_ids and labels (-100 where nothing is to be learnt: prompts, user turns, padding)."""
         if self.format == TEXT:
-            return _text_blocks(dataset, tokenizer, max_length)
-        encode = _chat_example if self.format == CHAT else _prompt_completion_example
+            return _text_blocks(dataset, tokenizer, max_length, num_proc)
+        if self.format == CHAT:
+            encode = partial(_chat_example, tokenizer, assistant_only=self.assistant_only_loss)
+        else:
+            encode = partial(_prompt_completion_example, tokenizer, completion_only=self.completion_only_loss)
 
         def rows(batch, indices):
-            examples = [encode(tokenizer, dict(zip(batch, values)), max_length) for values in zip(*batch.values())]
+            examples = [encode(dict(zip(batch, values)), max_length) for values in zip(*batch.values())]
             return {
                 "input_ids": [ids for ids, _ in examples],
                 "attention_mask": [[1] * len(ids) for ids, _ in examples],
@@ -98,7 +152,7 @@ class CausalLM(Task):
             }
 
         features = dataset.map(rows, batched=True, with_indices=True, remove_columns=dataset.column_names,
-                               desc="Tokenizing")  # fmt: skip
+                               num_proc=num_proc, desc="Tokenizing")  # fmt: skip
         # A prompt that fills --max_length leaves nothing to learn: such rows are dropped, and said so.
         kept = features.filter(lambda row: any(label != IGNORE for label in row["labels"][1:]), desc="Checking labels")
         if len(kept) < len(features):
@@ -177,18 +231,18 @@ def _format_of(columns: list[str]) -> str | None:
     return None
 
 
-def _prompt_completion_example(tokenizer, row: dict, max_length: int) -> tuple[list[int], list[int]]:
-    """The prompt's tokens (labels -100), then the completion's and EOS (learnt), cut to max_length. Tokenized apart,
-    so the boundary is exact whatever the tokenizer merges across it."""
+def _prompt_completion_example(tokenizer, row: dict, max_length: int, completion_only: bool):
+    """The prompt's tokens, then the completion's and EOS (always learnt), cut to max_length; the prompt's labels are
+    -100 when `completion_only`. Tokenized apart, so the boundary is exact whatever the tokenizer merges across it."""
     prompt = tokenizer(row["prompt"])["input_ids"]
     completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     ids = (prompt + completion)[:max_length]
-    return ids, ([IGNORE] * len(prompt) + completion)[:max_length]
+    return ids, ([IGNORE] * len(prompt) + completion)[:max_length] if completion_only else list(ids)
 
 
-def _chat_example(tokenizer, row: dict, max_length: int) -> tuple[list[int], list[int]]:
-    """The conversation through the chat template, learning the assistant's turns only: each turn is where the
-    template's rendering of the conversation up to it goes beyond the rendering up to the turn's prompt."""
+def _chat_example(tokenizer, row: dict, max_length: int, assistant_only: bool):
+    """The conversation through the chat template, cut to max_length; with `assistant_only`, labels only where the
+    template's {% generation %} blocks put the assistant's text (and the token that ends its turn, if inside)."""
     turns = row.get("messages") or row.get("conversations") or []
     if not all(isinstance(turn, dict) and ({"role", "content"} <= set(turn) or {"from", "value"} <= set(turn))
                for turn in turns):  # fmt: skip
@@ -196,36 +250,30 @@ def _chat_example(tokenizer, row: dict, max_length: int) -> tuple[list[int], lis
                         f"found {str(turns)[:200]}")  # fmt: skip
     messages = [turn if "role" in turn else {"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]),
                                              "content": turn["value"]} for turn in turns]  # fmt: skip
-
-    def rendered(until: int, **options) -> list[int]:
-        return tokenizer.apply_chat_template(messages[:until], tokenize=True, return_dict=False, **options)
-
-    ids = rendered(len(messages))
-    labels = [IGNORE] * len(ids)
-    for turn, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt, through = rendered(turn, add_generation_prompt=True), rendered(turn + 1)
-        # Labels by position hold only if the template renders a conversation as its turns one after another.
-        if ids[: len(prompt)] != prompt or ids[: len(through)] != through:
-            raise UserError(
-                "the chat template does not render a conversation as the sum of its turns (it changes earlier turns "
-                "when later ones follow), so the assistant's tokens cannot be found; use another template"
-            )
-        labels[len(prompt) : len(through)] = ids[len(prompt) : len(through)]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                             return_assistant_tokens_mask=assistant_only)  # fmt: skip
+    ids = list(rendered["input_ids"])
+    if not assistant_only:
+        return ids[:max_length], ids[:max_length]
+    labels = [token if learnt else IGNORE for token, learnt in zip(ids, rendered["assistant_masks"])]
     return ids[:max_length], labels[:max_length]
 
 
-def _text_blocks(dataset: Dataset, tokenizer, block: int) -> Dataset:
+def _text_blocks(dataset: Dataset, tokenizer, block: int, num_proc: int | None) -> Dataset:
     """Every text's tokens and EOS, concatenated over the whole split and cut into blocks of `block` tokens; the last,
-    shorter block is kept (run_clm_no_trainer.py drops the end of every 1,000 rows)."""
+    shorter block is kept (run_clm_no_trainer.py drops the end of every 1,000 rows). Texts are tokenized in
+    `num_proc` processes; the cutting is one pass over the whole split, so the blocks do not depend on it."""
 
-    def blocks(batch, indices):
-        ids = [t for text in batch["text"] for t in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+    def tokens(batch):
+        return {"ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch["text"])["input_ids"]]}
+
+    def blocks(batch):
+        ids = [t for text in batch["ids"] for t in text]
         chunks = [ids[i : i + block] for i in range(0, len(ids), block)]
         return {"input_ids": chunks, "attention_mask": [[1] * len(c) for c in chunks], "labels": chunks,
                 INDEX_COLUMN: list(range(len(chunks))), LENGTH_COLUMN: [len(c) for c in chunks]}  # fmt: skip
 
     texts = dataset.filter(lambda row: bool(row["text"] and row["text"].strip()), desc="Dropping empty lines")
-    return texts.map(blocks, batched=True, batch_size=None, with_indices=True, remove_columns=texts.column_names,
-                     desc="Cutting into blocks")  # fmt: skip
+    tokenized = texts.map(tokens, batched=True, remove_columns=texts.column_names, num_proc=num_proc,
+                          desc="Tokenizing")  # fmt: skip
+    return tokenized.map(blocks, batched=True, batch_size=None, remove_columns=["ids"], desc="Cutting into blocks")

@@ -172,7 +172,7 @@ class SequenceClassification(Task):
         return fields
 
     # --- the data ---
-    def features(self, dataset: Dataset, tokenizer, max_length: int) -> Dataset:
+    def features(self, dataset: Dataset, tokenizer, max_length: int, num_proc: int | None = None) -> Dataset:
         """Token ids, `labels` (in the form this task trains on) and the row's position.
 
         Raises UserError for a label the task does not know, e.g. evaluating on a class the model never saw.
@@ -216,9 +216,8 @@ class SequenceClassification(Task):
                 encoded["labels"] = [label2id[n] for n in names]
             return encoded
 
-        return dataset.map(
-            encode, batched=True, with_indices=True, remove_columns=dataset.column_names, desc="Tokenizing"
-        )
+        return dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
+                           num_proc=num_proc, desc="Tokenizing")  # fmt: skip
 
     # --- one batch ---
     def step(self, model, batch: dict) -> Step:

@@ -108,7 +108,7 @@ class TokenClassification(Task):
                 "label2id": {name: i for i, name in enumerate(self.label_names)}}  # fmt: skip
 
     # --- the data ---
-    def features(self, dataset: Dataset, tokenizer, max_length: int) -> Dataset:
+    def features(self, dataset: Dataset, tokenizer, max_length: int, num_proc: int | None = None) -> Dataset:
         """Sub-token ids and, per sub-token, the tag of its word on its first sub-token (every sub-token with
         --label_all_tokens, B- turned I- after the first) and -100 elsewhere. Words cut off by --max_length are
         counted and reported: they have no prediction, so the metrics leave them out."""
@@ -155,7 +155,7 @@ class TokenClassification(Task):
             return encoded
 
         features = dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
-                               desc="Tokenizing")  # fmt: skip
+                               num_proc=num_proc, desc="Tokenizing")  # fmt: skip
         # Counted from a column, not while mapping: a cached map (every rank but the first) runs no code.
         cut = features.with_format("numpy")[CUT_COLUMN][:]
         features = features.remove_columns(CUT_COLUMN)
