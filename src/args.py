@@ -203,8 +203,8 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     """train.py's flags, with those of the tasks in `task_classes` (default: every listed task)."""
     parser = ArgumentParser(
         prog="train.py",
-        description="Fine-tune a Hugging Face model with Accelerate: sequence classification or regression, or a "
-        "task of your own (--task).",
+        description="Fine-tune a Hugging Face model with Accelerate: sequence classification or regression, token "
+        "classification, causal LM (text, prompt/completion, chat), or a task of your own (--task).",
     )
     parser.add_argument("--config", type=Path, help="YAML file with any of these flags as keys; the command line wins.")
     parser.add_argument(
