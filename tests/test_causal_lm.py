@@ -7,7 +7,7 @@ import types
 
 import pytest
 from accelerate import PartialState
-from conftest import REPO, WEIGHTS_ATOL, run_in_process, run_model_card_snippet, train_args
+from conftest import REPO, WEIGHTS_ATOL, launch, run_in_process, run_model_card_snippet, train_args
 from datasets import Dataset
 
 from src.errors import UserError
@@ -110,29 +110,57 @@ def test_the_format_is_found_from_the_columns():
         CausalLM.from_data(options(), Dataset.from_list([{"sentence": "a", "label": 1}]))
 
 
-def test_lora_sft_on_chat_rows_and_evaluate_py_reproduces_it(tiny_decoders, tmp_path):
-    train, dev = tmp_path / "train.jsonl", tmp_path / "dev.jsonl"
-    lines = (SFT / "train_messages.jsonl").read_text().splitlines()
-    train.write_text("\n".join(lines[:24]) + "\n")
+@pytest.fixture(scope="module")
+def chat_lora_run(tiny_decoders, tmp_path_factory) -> dict:
+    """LoRA on the tiny Llama, learning the assistant's turns of 24 real conversations; 9 to validate."""
+    folder = tmp_path_factory.mktemp("chat-lora")
+    train, dev = folder / "train.jsonl", folder / "dev.jsonl"
+    train.write_text("\n".join((SFT / "train_messages.jsonl").read_text().splitlines()[:24]) + "\n")
     dev.write_text("\n".join((SFT / "validation_messages.jsonl").read_text().splitlines()[:9]) + "\n")
     flags = ["--use_peft", "--num_train_epochs", "1", "--max_length", "64", "--assistant_only_loss",
              "--chat_template_path", CHAT_TEMPLATE]  # fmt: skip
-    results = run_in_process("train", train_args(tiny_decoders["llama"], train, dev, tmp_path / "out", *flags))
-    record = json.loads((tmp_path / "out" / "args.json").read_text())
+    results = run_in_process("train", train_args(tiny_decoders["llama"], train, dev, folder / "out", *flags))
+    return {"out": folder / "out", "dev": dev, "results": results}
+
+
+def test_lora_sft_on_chat_rows_and_evaluate_py_reproduces_it(chat_lora_run, tmp_path):
+    out, dev, results = chat_lora_run["out"], chat_lora_run["dev"], chat_lora_run["results"]
+    record = json.loads((out / "args.json").read_text())
     assert record["task"] == "causal-lm" and record["format"] == CHAT and record["metric_for_best_model"] == "loss"
     assert record["assistant_only_loss"] is True
     assert record["learning_rate"] == 1e-3 and record["max_length"] == 64  # as given (train_args), in the record
     assert {"eval_loss", "eval_perplexity", "eval_mean_token_accuracy", "train_loss"} <= set(results)
-    adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    adapter = json.loads((out / "adapter_config.json").read_text())
     assert adapter["task_type"] == "CAUSAL_LM" and not adapter["modules_to_save"]  # the LM head is not retrained
-    assert "chat_template" in json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) or (
-        tmp_path / "out" / "chat_template.jinja").is_file()  # fmt: skip
-    argv = ["--model_name_or_path", str(tmp_path / "out"), "--validation_file", str(dev), "--output_dir",
+    assert "{% generation %}" in load_tokenizer(str(out)).chat_template  # --chat_template_path's, saved with it
+    argv = ["--model_name_or_path", str(out), "--validation_file", str(dev), "--output_dir",
             str(tmp_path / "eval"), "--mixed_precision", "no", "--per_device_eval_batch_size", "8"]  # fmt: skip
     metrics = run_in_process("evaluate", argv)
     assert metrics["eval_samples"] == results["eval_samples"] == 9
     assert metrics["eval_mean_token_accuracy"] == results["eval_mean_token_accuracy"]
     assert metrics["eval_loss"] == pytest.approx(results["eval_loss"], rel=1e-6)
+
+
+def test_three_ranks_count_every_token_once_as_one_rank_does(chat_lora_run, tmp_path):
+    """9 conversations on 3 ranks in batches of 2: ranks with 4 and 2 rows, an uneven last batch, batches padded to
+    other lengths than on 1 rank. Token counts (and so the token accuracy, a ratio of counts) are exact; the loss is
+    a sum of the same per-token terms in another order and padding, equal to fp32 rounding (relative 1e-6)."""
+    import csv
+
+    argv = ["--model_name_or_path", str(chat_lora_run["out"]), "--validation_file", str(chat_lora_run["dev"]),
+            "--mixed_precision", "no", "--per_device_eval_batch_size", "2"]  # fmt: skip
+    one = run_in_process("evaluate", [*argv, "--output_dir", str(tmp_path / "one")])
+    result = launch("evaluate.py", [*argv, "--output_dir", str(tmp_path / "three")], num_processes=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    three = json.loads((tmp_path / "three" / "eval_results.json").read_text())
+    counts = {}
+    for name in ("one", "three"):
+        rows = csv.DictReader((tmp_path / name / "predictions.csv").read_text().splitlines())
+        counts[name] = [(row["index"], row["tokens"]) for row in rows]
+    assert counts["three"] == counts["one"]
+    assert three["eval_samples"] == one["eval_samples"] == 9
+    assert three["eval_mean_token_accuracy"] == round(one["eval_mean_token_accuracy"], 6)
+    assert three["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-6)
 
 
 def test_examples_with_nothing_to_learn_are_dropped_and_counted(tokenizer, caplog):
@@ -155,20 +183,28 @@ def test_the_model_card_shows_how_to_generate_and_that_runs(tmp_path, tiny_decod
 
 
 def test_a_global_batch_gives_the_same_update_however_it_is_split(tiny_decoders, tmp_path):
-    """Completions of very different lengths: 1 batch of 8 and 2 accumulated batches of 4 give the same weights only
-    when each batch's summed token loss is divided by the whole step's tokens (not averaged per batch)."""
+    """Completions of very different lengths: 1 batch of 8, 2 accumulated batches of 4, and batches of 4 on 2 ranks
+    (with gradient checkpointing, which must not change the gradients) give the same weights only when each batch's
+    summed token loss is divided by the whole step's tokens on all ranks (not averaged per batch or per rank)."""
     from safetensors.torch import load_file
 
     rows = [{"prompt": "the plot was", "completion": " ".join(["good"] * (1 + 5 * (i % 4)))} for i in range(16)]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     weights = {}
-    for name, (size, steps) in {"one": ("8", "1"), "accumulated": ("4", "2")}.items():
-        batches = ["--per_device_train_batch_size", size, "--gradient_accumulation_steps", steps]
-        run_in_process("train", train_args(tiny_decoders["llama"], data, data, tmp_path / name, *batches))
+    ways = {"one": ("8", "1", []), "accumulated": ("4", "2", []), "ranks": ("4", "1", ["--gradient_checkpointing"])}
+    for name, (size, steps, extra) in ways.items():
+        batches = ["--per_device_train_batch_size", size, "--gradient_accumulation_steps", steps, *extra]
+        argv = train_args(tiny_decoders["llama"], data, data, tmp_path / name, *batches)
+        if name == "ranks":
+            result = launch("train.py", argv, num_processes=2)
+            assert result.returncode == 0, result.stderr[-3000:]
+        else:
+            run_in_process("train", argv)
         weights[name] = load_file(tmp_path / name / "model.safetensors")
-    worst = max((weights["one"][k] - weights["accumulated"][k]).abs().max().item() for k in weights["one"])
-    assert worst < WEIGHTS_ATOL, f"weights differ by up to {worst}"
+    for name in ("accumulated", "ranks"):
+        worst = max((weights["one"][k] - weights[name][k]).abs().max().item() for k in weights["one"])
+        assert worst < WEIGHTS_ATOL, f"{name}: weights differ by up to {worst}"
 
 
 def test_chat_rows_and_templates_that_cannot_be_learnt_are_one_line(tokenizer, tmp_path):
