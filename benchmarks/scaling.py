@@ -47,7 +47,7 @@ def gather_worker(validation_file: Path, repeats: int):
     from src.data import load_file
     from src.evaluation import evaluate
     from src.loaders import INDEX_COLUMN, build_eval_dataloader, padding_collator
-    from src.model import default_model_path, load_model, load_tokenizer
+    from src.model import default_model_path, load_tokenizer
     from src.tasks.sequence_classification import SINGLE_LABEL, SequenceClassification
 
     accelerator = Accelerator(cpu=True)
@@ -55,7 +55,7 @@ def gather_worker(validation_file: Path, repeats: int):
     task = SequenceClassification(SINGLE_LABEL, ("0", "1"), columns=("sentence", None, "label"))
     dataset = task.features(load_file(validation_file), tokenizer, 128)
     loader = accelerator.prepare(build_eval_dataloader(dataset, padding_collator(tokenizer), 64))
-    model = load_model(AutoModelForSequenceClassification, default_model_path(), task.config_fields())
+    model = AutoModelForSequenceClassification.from_pretrained(default_model_path(), **task.config_fields())
     model = accelerator.prepare_model(model, evaluation_mode=True)
 
     def gathers_only():
