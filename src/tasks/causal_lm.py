@@ -62,7 +62,7 @@ class CausalLM(Task):
             "--assistant_only_loss",
             action="store_true",
             help="Chat rows: learn the assistant's turns only (else every token, TRL's default). Needs a chat "
-            "template that marks them with {% generation %} (examples/chat_template.jinja does).",
+            "template that marks them with {%% generation %%} (examples/chat_template.jinja does).",
         )
         group.add_argument(
             "--chat_template_path",
