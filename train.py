@@ -103,6 +103,7 @@ def load_data_and_model(args, accelerator):
         )
         # 'train', 'validation' and any further validation split (MNLI's 'validation_mismatched').
         splits = {name: task.features(split, tokenizer, max_length) for name, split in raw.items()}
+        splits["train"] = task.training_rows(splits["train"], max_length)
     return task, tokenizer, splits, model, max_length
 
 

@@ -119,6 +119,7 @@ SAME_ON_RESUME = (
     "max_train_samples",
     "validation_split_percentage",  # without a validation file, it decides which rows train
     "max_length",
+    "packing",
 )
 
 

@@ -77,11 +77,12 @@ def test_the_task_has_its_own_defaults_where_a_classifiers_do_not_fit():
 
 
 def test_the_format_is_found_from_the_columns():
+    flags = types.SimpleNamespace(packing=False)
     for row, fmt in [({"messages": [{"role": "user", "content": "hi"}]}, CHAT),
                      ({"conversations": [{"from": "human", "value": "hi"}]}, CHAT),
                      ({"prompt": "a", "completion": "b"}, PROMPT_COMPLETION), ({"text": "a"}, TEXT)]:  # fmt: skip
         cls, _ = detect_task(Dataset.from_list([row]))
-        assert cls is CausalLM and CausalLM.from_data(None, Dataset.from_list([row])).format == fmt
+        assert cls is CausalLM and CausalLM.from_data(flags, Dataset.from_list([row])).format == fmt
     assert detect_task(Dataset.from_list([{"text": "a", "label": 1}]))[0].name == "sequence-classification"
     with pytest.raises(UserError, match="the columns are sentence, label"):
         CausalLM.from_data(None, Dataset.from_list([{"sentence": "a", "label": 1}]))

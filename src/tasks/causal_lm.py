@@ -6,7 +6,9 @@ content) or ShareGPT `conversations` (from and value): chat; `prompt` + `complet
 (or a .txt file): text, concatenated and cut into blocks of --max_length tokens.
 """
 
+import bisect
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,7 @@ DEFAULT_CHAT_TEMPLATE = (
 @dataclass(frozen=True)
 class CausalLM(Task):
     format: str = TEXT
+    packing: bool = False  # training rows packed from several examples each (--packing)
 
     auto_class = "AutoModelForCausalLM"
     peft_task_type = "CAUSAL_LM"
@@ -42,6 +45,17 @@ class CausalLM(Task):
     main_metric = "loss"
     default_max_length = 1024  # most SFT rows are longer than a classifier's 128 tokens
     default_learning_rate = 2e-5  # TRL's SFTTrainer's: a pretrained LM's head is not new, as a classifier's is
+
+    @staticmethod
+    def add_arguments(parser):
+        group = parser.add_argument_group("causal LM")
+        group.add_argument(
+            "--packing",
+            action="store_true",
+            help="Pack the training examples into rows of up to --max_length tokens (best-fit decreasing), each "
+            "example apart from the others (its own positions and attention): fewer padded tokens, the same update. "
+            "--per_device_train_batch_size then counts rows. Evaluation is not packed.",
+        )
 
     @staticmethod
     def recognises(train: Dataset) -> str | None:
@@ -57,17 +71,17 @@ class CausalLM(Task):
                 f"causal-LM fine-tuning reads `messages` (or `conversations`), `prompt` + `completion`, or `text` "
                 f"(or a .txt file); the columns are {', '.join(train.column_names)}"
             )
-        return cls(fmt)
+        return cls(fmt, packing=args.packing)
 
     @classmethod
     def from_record(cls, record: dict, args, model_dir, column_names: list[str]) -> "CausalLM":
         fmt = _format_of(column_names)
         if fmt is None:
             raise UserError(f"the data has no columns a causal LM reads (its columns: {', '.join(column_names)})")
-        return cls(fmt)
+        return cls(fmt, packing=record.get("packing", False))
 
     def record(self) -> dict:
-        return {"format": self.format}
+        return {"format": self.format, "packing": self.packing}
 
     def describe(self) -> str:
         return f"causal-LM fine-tuning on {self.format}" + (
@@ -108,13 +122,22 @@ class CausalLM(Task):
             kept = kept.map(lambda row, i: {INDEX_COLUMN: i}, with_indices=True, desc="Numbering")  # row order anew
         return kept
 
+    def training_rows(self, features: Dataset, max_length: int) -> Dataset:
+        if not self.packing:
+            return features
+        packed = _packed_rows(features, max_length)
+        logger.info(f"--packing: {len(features)} training examples packed into {len(packed)} rows of up to "
+                    f"{max_length} tokens")  # fmt: skip
+        return packed
+
     def collator(self, tokenizer, pad_to_multiple_of=None, pad_to_length=None):
         from transformers import DataCollatorForTokenClassification
 
         # Labels padded with -100 by position: with EOS as the padding token, masking by value would hide every EOS
         # the model must learn to write (transformers' language-modeling collator does; trl #1623).
         padding = {"padding": "max_length", "max_length": pad_to_length} if pad_to_length else {}
-        return DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of, **padding)
+        pad = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of, **padding)
+        return _padding_position_ids(pad, tokenizer.padding_side)
 
     # --- one batch ---
     def units(self, batch: dict) -> torch.Tensor:
@@ -125,7 +148,7 @@ class CausalLM(Task):
         predicted tokens and how many of them the model got right (for mean_token_accuracy, in evaluation only: an
         argmax over the vocabulary at every position is not for the training loop)."""
         labels = batch.pop("labels")
-        logits = model(**batch)["logits"][:, :-1].float()
+        logits = model(**_model_inputs(batch))["logits"][:, :-1].float()
         targets = labels[:, 1:]
         losses = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
         known = targets != IGNORE
@@ -229,3 +252,82 @@ def _text_blocks(dataset: Dataset, tokenizer, block: int) -> Dataset:
     texts = dataset.filter(lambda row: bool(row["text"] and row["text"].strip()), desc="Dropping empty lines")
     return texts.map(blocks, batched=True, batch_size=None, with_indices=True, remove_columns=texts.column_names,
                      desc="Cutting into blocks")  # fmt: skip
+
+
+def _best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of positions in `lengths` whose lengths add up to at most `capacity`: the longest first, each into the bin
+    it leaves the least room in (best-fit decreasing, TRL's `bfd` packing)."""
+    bins = []
+    rooms = []  # the distinct free spaces of the bins, sorted: the best fit is the first one the length fits
+    bins_with_room = defaultdict(list)
+    for position in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        length = lengths[position]
+        at = bisect.bisect_left(rooms, length)
+        if at == len(rooms):
+            room, chosen = capacity, len(bins)
+            bins.append([])
+        else:
+            room, chosen = rooms[at], bins_with_room[rooms[at]].pop()
+            if not bins_with_room[room]:
+                del bins_with_room[room], rooms[at]
+        bins[chosen].append(position)
+        if not bins_with_room[room - length]:
+            bisect.insort(rooms, room - length)
+        bins_with_room[room - length].append(chosen)
+    return bins
+
+
+def _packed_rows(features: Dataset, max_length: int) -> Dataset:
+    """Rows of several examples each, with position ids that restart at 0 for each example and each example's first
+    label ignored: unpacked, nothing predicts an example's first token, and packed, its previous token is another
+    example's. The label tokens, and so the loss and its normalisation, are those of the unpacked examples.
+
+    Packed 1,000 examples at a time (a map batch), so that memory stays bounded; only each batch's last rows are
+    less full."""
+
+    def rows(batch, indices):
+        packed = _best_fit_decreasing(batch[LENGTH_COLUMN], max_length)
+
+        def joined(column, per_example=lambda values: values) -> list[list[int]]:
+            return [[v for i in members for v in per_example(batch[column][i])] for members in packed]
+
+        return {
+            "input_ids": joined("input_ids"),
+            "attention_mask": joined("attention_mask"),  # the real tokens, for the throughput; not for the model
+            "labels": joined("labels", lambda labels: [IGNORE, *labels[1:]]),
+            "position_ids": joined("input_ids", lambda ids: range(len(ids))),
+            INDEX_COLUMN: [indices[members[0]] for members in packed],  # a row is known by its first example
+            LENGTH_COLUMN: [sum(batch[LENGTH_COLUMN][i] for i in members) for members in packed],
+        }
+
+    return features.map(rows, batched=True, batch_size=1000, with_indices=True, remove_columns=features.column_names,
+                        desc="Packing")  # fmt: skip
+
+
+def _padding_position_ids(pad, padding_side: str):
+    """The collator `pad`, for packed rows too: their position ids are padded with 0 where the tokens are padded, so
+    that each padding token is a sequence of its own, which no example attends to."""
+
+    def collate(rows: list[dict]) -> dict:
+        if "position_ids" not in rows[0]:
+            return pad(rows)
+        batch = pad([{key: value for key, value in row.items() if key != "position_ids"} for row in rows])
+        width = batch["input_ids"].shape[1]
+        batch["position_ids"] = torch.tensor([_padded(row["position_ids"], width, padding_side) for row in rows])
+        return batch
+
+    return collate
+
+
+def _padded(positions: list[int], width: int, side: str) -> list[int]:
+    padding = [0] * (width - len(positions))
+    return positions + padding if side == "right" else padding + positions
+
+
+def _model_inputs(batch: dict) -> dict:
+    """The batch as the model takes it. Packed rows (with position ids) go without their attention mask and with the
+    KV cache off: transformers keeps packed examples apart, from where their position ids restart, only when neither
+    is there (masking_utils.find_packed_sequence_indices); otherwise every token attends to the examples before it."""
+    if "position_ids" not in batch:
+        return batch
+    return {key: value for key, value in batch.items() if key != "attention_mask"} | {"use_cache": False}
