@@ -104,6 +104,7 @@ def load_data_and_model(args, accelerator):
         # 'train', 'validation' and any further validation split (MNLI's 'validation_mismatched').
         splits = {name: task.features(split, tokenizer, max_length, args.preprocessing_num_workers)
                   for name, split in raw.items()}  # fmt: skip
+        splits["train"] = task.training_rows(splits["train"], max_length)
     return task, tokenizer, splits, model, max_length
 
 

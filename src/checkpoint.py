@@ -123,6 +123,7 @@ SAME_ON_RESUME = (
     "keep_linebreaks",  # a .txt file's blocks
     "completion_only_loss",  # which tokens are learnt
     "assistant_only_loss",
+    "packing",
 )
 
 

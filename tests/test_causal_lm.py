@@ -24,7 +24,7 @@ MESSAGES = [{"role": "user", "content": "the plot"}, {"role": "assistant", "cont
 
 def options(**given):
     """The causal-LM flags as parsed, with their defaults."""
-    flags = {"completion_only_loss": True, "assistant_only_loss": False, "chat_template_path": None}
+    flags = {"completion_only_loss": True, "assistant_only_loss": False, "packing": False, "chat_template_path": None}
     return types.SimpleNamespace(trust_remote_code=False, **(flags | given))
 
 

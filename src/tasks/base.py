@@ -109,6 +109,11 @@ class Task:
         tokenized in `num_proc` processes (--preprocessing_num_workers) if given."""
         raise NotImplementedError
 
+    def training_rows(self, features, max_length: int):
+        """The training split's `features` as the training loader takes them (a causal LM's packed into rows of up to
+        `max_length` tokens, say), with `INDEX_COLUMN` and `LENGTH_COLUMN`; evaluation keeps one example per row."""
+        return features
+
     def collator(self, tokenizer, pad_to_multiple_of=None, pad_to_length=None):
         from src.loaders import padding_collator
 

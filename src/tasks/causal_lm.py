@@ -8,8 +8,10 @@ TRL's defaults: a completion only (--completion_only_loss), every token of a cha
 """
 
 import argparse
+import bisect
 import math
 import re
+from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -36,6 +38,7 @@ class CausalLM(Task):
     format: str = TEXT
     completion_only_loss: bool = True  # prompt/completion rows: no loss on the prompt
     assistant_only_loss: bool = False  # chat rows: loss on the assistant's turns only (else on every token)
+    packing: bool = False  # training rows packed from several examples each (--packing)
     # --chat_template_path's text, put into the tokenizer (and so saved with it); not part of the run record.
     chat_template: str | None = field(default=None, compare=False, repr=False)
 
@@ -69,6 +72,13 @@ class CausalLM(Task):
             help="A Jinja chat template for chat rows, for a model whose tokenizer has none; saved with the "
             "tokenizer. E.g. examples/chat_template.jinja.",
         )
+        group.add_argument(
+            "--packing",
+            action="store_true",
+            help="Pack the training examples into rows of up to --max_length tokens (best-fit decreasing), each "
+            "example apart from the others (its own positions and attention): fewer padded tokens, the same update. "
+            "--per_device_train_batch_size then counts rows. Evaluation is not packed.",
+        )
 
     @staticmethod
     def recognises(train: Dataset) -> str | None:
@@ -92,7 +102,7 @@ class CausalLM(Task):
                 template = Path(args.chat_template_path).read_text()
             except OSError as err:
                 raise UserError(f"--chat_template_path {args.chat_template_path}: {err.strerror}") from err
-        return cls(fmt, args.completion_only_loss, args.assistant_only_loss, template)
+        return cls(fmt, args.completion_only_loss, args.assistant_only_loss, args.packing, template)
 
     @classmethod
     def from_record(cls, record: dict, args, model_dir, column_names: list[str]) -> "CausalLM":
@@ -100,11 +110,12 @@ class CausalLM(Task):
         if fmt is None:
             raise UserError(f"the data has no columns a causal LM reads (its columns: {', '.join(column_names)})")
         # Runs recorded before these options existed learnt completions only, and every token of a chat.
-        return cls(fmt, record.get("completion_only_loss", True), record.get("assistant_only_loss", False))
+        return cls(fmt, record.get("completion_only_loss", True), record.get("assistant_only_loss", False),
+                   record.get("packing", False))  # fmt: skip
 
     def record(self) -> dict:
         return {"format": self.format, "completion_only_loss": self.completion_only_loss,
-                "assistant_only_loss": self.assistant_only_loss}  # fmt: skip
+                "assistant_only_loss": self.assistant_only_loss, "packing": self.packing}  # fmt: skip
 
     def describe(self) -> str:
         answers_only = (self.format == PROMPT_COMPLETION and self.completion_only_loss) or self.assistant_only_loss
@@ -162,13 +173,22 @@ class CausalLM(Task):
             kept = kept.map(lambda row, i: {INDEX_COLUMN: i}, with_indices=True, desc="Numbering")  # row order anew
         return kept
 
+    def training_rows(self, features: Dataset, max_length: int) -> Dataset:
+        if not self.packing:
+            return features
+        packed = _packed_rows(features, max_length)
+        logger.info(f"--packing: {len(features)} training examples packed into {len(packed)} rows of up to "
+                    f"{max_length} tokens")  # fmt: skip
+        return packed
+
     def collator(self, tokenizer, pad_to_multiple_of=None, pad_to_length=None):
         from transformers import DataCollatorForTokenClassification
 
         # Labels padded with -100 by position: with EOS as the padding token, masking by value would hide every EOS
         # the model must learn to write (transformers' language-modeling collator does; trl #1623).
         padding = {"padding": "max_length", "max_length": pad_to_length} if pad_to_length else {}
-        return DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of, **padding)
+        pad = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of, **padding)
+        return _padding_position_ids(pad, tokenizer.padding_side)
 
     # --- one batch ---
     def units(self, batch: dict) -> torch.Tensor:
@@ -179,7 +199,7 @@ class CausalLM(Task):
         predicted tokens and how many of them the model got right (for mean_token_accuracy, in evaluation only: an
         argmax over the vocabulary at every position is not for the training loop)."""
         labels = batch.pop("labels")
-        logits = model(**batch)["logits"][:, :-1].float()
+        logits = model(**_model_inputs(batch))["logits"][:, :-1].float()
         targets = labels[:, 1:]
         losses = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
         known = targets != IGNORE
@@ -277,3 +297,82 @@ def _text_blocks(dataset: Dataset, tokenizer, block: int, num_proc: int | None) 
     tokenized = texts.map(tokens, batched=True, remove_columns=texts.column_names, num_proc=num_proc,
                           desc="Tokenizing")  # fmt: skip
     return tokenized.map(blocks, batched=True, batch_size=None, remove_columns=["ids"], desc="Cutting into blocks")
+
+
+def _best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of positions in `lengths` whose lengths add up to at most `capacity`: the longest first, each into the bin
+    it leaves the least room in (best-fit decreasing, TRL's `bfd` packing)."""
+    bins = []
+    rooms = []  # the distinct free spaces of the bins, sorted: the best fit is the first one the length fits
+    bins_with_room = defaultdict(list)
+    for position in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        length = lengths[position]
+        at = bisect.bisect_left(rooms, length)
+        if at == len(rooms):
+            room, chosen = capacity, len(bins)
+            bins.append([])
+        else:
+            room, chosen = rooms[at], bins_with_room[rooms[at]].pop()
+            if not bins_with_room[room]:
+                del bins_with_room[room], rooms[at]
+        bins[chosen].append(position)
+        if not bins_with_room[room - length]:
+            bisect.insort(rooms, room - length)
+        bins_with_room[room - length].append(chosen)
+    return bins
+
+
+def _packed_rows(features: Dataset, max_length: int) -> Dataset:
+    """Rows of several examples each, with position ids that restart at 0 for each example and each example's first
+    label ignored: unpacked, nothing predicts an example's first token, and packed, its previous token is another
+    example's. The label tokens, and so the loss and its normalisation, are those of the unpacked examples.
+
+    Packed 1,000 examples at a time (a map batch), so that memory stays bounded; only each batch's last rows are
+    less full."""
+
+    def rows(batch, indices):
+        packed = _best_fit_decreasing(batch[LENGTH_COLUMN], max_length)
+
+        def joined(column, per_example=lambda values: values) -> list[list[int]]:
+            return [[v for i in members for v in per_example(batch[column][i])] for members in packed]
+
+        return {
+            "input_ids": joined("input_ids"),
+            "attention_mask": joined("attention_mask"),  # the real tokens, for the throughput; not for the model
+            "labels": joined("labels", lambda labels: [IGNORE, *labels[1:]]),
+            "position_ids": joined("input_ids", lambda ids: range(len(ids))),
+            INDEX_COLUMN: [indices[members[0]] for members in packed],  # a row is known by its first example
+            LENGTH_COLUMN: [sum(batch[LENGTH_COLUMN][i] for i in members) for members in packed],
+        }
+
+    return features.map(rows, batched=True, batch_size=1000, with_indices=True, remove_columns=features.column_names,
+                        desc="Packing")  # fmt: skip
+
+
+def _padding_position_ids(pad, padding_side: str):
+    """The collator `pad`, for packed rows too: their position ids are padded with 0 where the tokens are padded, so
+    that each padding token is a sequence of its own, which no example attends to."""
+
+    def collate(rows: list[dict]) -> dict:
+        if "position_ids" not in rows[0]:
+            return pad(rows)
+        batch = pad([{key: value for key, value in row.items() if key != "position_ids"} for row in rows])
+        width = batch["input_ids"].shape[1]
+        batch["position_ids"] = torch.tensor([_padded(row["position_ids"], width, padding_side) for row in rows])
+        return batch
+
+    return collate
+
+
+def _padded(positions: list[int], width: int, side: str) -> list[int]:
+    padding = [0] * (width - len(positions))
+    return positions + padding if side == "right" else padding + positions
+
+
+def _model_inputs(batch: dict) -> dict:
+    """The batch as the model takes it. Packed rows (with position ids) go without their attention mask and with the
+    KV cache off: transformers keeps packed examples apart, from where their position ids restart, only when neither
+    is there (masking_utils.find_packed_sequence_indices); otherwise every token attends to the examples before it."""
+    if "position_ids" not in batch:
+        return batch
+    return {key: value for key, value in batch.items() if key != "attention_mask"} | {"use_cache": False}
