@@ -153,6 +153,19 @@ class CausalLM(Task):
         losses = [f"{loss / max(1, n):.6f}" for loss, n in zip(columns["loss"].tolist(), units)]
         return {"tokens": units, "loss": losses}
 
+    def prompts(self, dataset: Dataset, tokenizer) -> list[list[int]] | None:
+        """What the model is to answer: a row's prompt, tokenized as in training; a conversation without its last
+        turn if the assistant wrote it (the reference answer), through the chat template with its generation prompt.
+        Text rows hold none: they are cut into blocks across rows."""
+        if self.format == TEXT:
+            return None
+        if self.format == PROMPT_COMPLETION:
+            return tokenizer(list(dataset["prompt"]))["input_ids"]
+        conversations = [_messages(row) for row in dataset]
+        return [tokenizer.apply_chat_template(turns[:-1] if turns and turns[-1]["role"] == "assistant" else turns,
+                                              add_generation_prompt=True, tokenize=True, return_dict=False)
+                for turns in conversations]  # fmt: skip
+
     # --- the model card ---
     def model_card(self, where: str, base_name: str, adapter: bool) -> dict:
         load = (["from peft import AutoPeftModelForCausalLM", "from transformers import AutoTokenizer", "",
@@ -189,13 +202,7 @@ def _prompt_completion_example(tokenizer, row: dict, max_length: int) -> tuple[l
 def _chat_example(tokenizer, row: dict, max_length: int) -> tuple[list[int], list[int]]:
     """The conversation through the chat template, learning the assistant's turns only: each turn is where the
     template's rendering of the conversation up to it goes beyond the rendering up to the turn's prompt."""
-    turns = row.get("messages") or row.get("conversations") or []
-    if not all(isinstance(turn, dict) and ({"role", "content"} <= set(turn) or {"from", "value"} <= set(turn))
-               for turn in turns):  # fmt: skip
-        raise UserError(f"a chat row must list turns with 'role' and 'content' (or ShareGPT 'from' and 'value'); "
-                        f"found {str(turns)[:200]}")  # fmt: skip
-    messages = [turn if "role" in turn else {"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]),
-                                             "content": turn["value"]} for turn in turns]  # fmt: skip
+    messages = _messages(row)
 
     def rendered(until: int, **options) -> list[int]:
         return tokenizer.apply_chat_template(messages[:until], tokenize=True, return_dict=False, **options)
@@ -214,6 +221,17 @@ def _chat_example(tokenizer, row: dict, max_length: int) -> tuple[list[int], lis
             )
         labels[len(prompt) : len(through)] = ids[len(prompt) : len(through)]
     return ids[:max_length], labels[:max_length]
+
+
+def _messages(row: dict) -> list[dict]:
+    """A chat row's turns with `role` and `content` (ShareGPT's `from` and `value` renamed)."""
+    turns = row.get("messages") or row.get("conversations") or []
+    if not all(isinstance(turn, dict) and ({"role", "content"} <= set(turn) or {"from", "value"} <= set(turn))
+               for turn in turns):  # fmt: skip
+        raise UserError(f"a chat row must list turns with 'role' and 'content' (or ShareGPT 'from' and 'value'); "
+                        f"found {str(turns)[:200]}")  # fmt: skip
+    return [turn if "role" in turn else {"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]),
+                                         "content": turn["value"]} for turn in turns]  # fmt: skip
 
 
 def _text_blocks(dataset: Dataset, tokenizer, block: int) -> Dataset:
