@@ -6,6 +6,7 @@ The model folder may hold a whole model or a LoRA adapter and head (train.py --u
 
 Writes eval_results.json, predictions.csv (one row per example, in the data's order; multi-label
 label sets as JSON lists) and a picture (confusion matrix, or predicted-vs-true scatter for regression).
+With --predict_with_generate, a causal LM's answer to each row's prompt goes into predictions.csv too.
 The files are the same whether it runs on 1 or many processes.
 """
 
@@ -22,6 +23,7 @@ from src.args import Flags, build_eval_parser, parse_args
 from src.data import load_file, load_hub_dataset, pick_split
 from src.errors import UserError, main_process_first, run_cli
 from src.evaluation import evaluate
+from src.generation import generate
 from src.glue import glue_labels
 from src.loaders import build_eval_dataloader, padding_options
 from src.model import resolve_max_length
@@ -83,11 +85,19 @@ def main(args):
             raise UserError(f"{args.model_name_or_path} was trained with {err}; make it importable here") from err
         task = cls.from_record(record, args, args.model_name_or_path, data.column_names)
         tokenizer = task.load_tokenizer(args.model_name_or_path, args)
+        prompts = task.prompts(data, tokenizer) if args.predict_with_generate else None
+        if args.predict_with_generate and prompts is None:
+            raise UserError(f"--predict_with_generate answers prompts, and a model for {task.describe()} has none to "
+                            "answer: give a causal LM prompt/completion or chat rows, or drop the flag")  # fmt: skip
         model = task.load_model(args.model_name_or_path, args, tokenizer, accelerator.mixed_precision)
         # The training run's --max_length unless told otherwise: texts cut elsewhere get other predictions.
         max_length = resolve_max_length(args.max_length or record.get("max_length"), tokenizer,
                                         getattr(model, "config", None), default=task.default_max_length)  # fmt: skip
         dataset = task.features(data, tokenizer, max_length)
+        if prompts is not None and len(prompts) != len(dataset):
+            raise UserError(f"--predict_with_generate: {len(prompts) - len(dataset)} of {len(prompts)} rows are not "
+                            f"evaluated (nothing to learn within --max_length {max_length} tokens), so predictions.csv "
+                            "would have no row for their answers; raise --max_length or remove those rows")  # fmt: skip
 
     collator = task.collator(tokenizer, **padding_options(accelerator.device))  # as train.py pads
     dataloader = accelerator.prepare(build_eval_dataloader(dataset, collator, args.per_device_eval_batch_size))
@@ -97,19 +107,27 @@ def main(args):
         f"process(es), batch size {args.per_device_eval_batch_size} per process"
     )
     metrics, columns = evaluate(model, dataloader, accelerator, task)
+    generations = None
+    if prompts is not None:
+        logger.info(f"Generating up to {args.generation_max_length} tokens for each of {len(prompts)} prompts")
+        generations = generate(model, prompts, tokenizer, accelerator, args.per_device_eval_batch_size,
+                               args.generation_max_length, args.generation_num_beams)  # fmt: skip
     if accelerator.is_main_process:
-        write_results(args.output_dir or Path(args.model_name_or_path), metrics, columns, task, data)
+        write_results(args.output_dir or Path(args.model_name_or_path), metrics, columns, task, data, generations)
     accelerator.end_training()
     return metrics
 
 
-def write_results(output_dir: Path, metrics: dict, columns: dict, task, data):
-    """eval_results.json, predictions.csv (in the data's order) and the task's pictures."""
+def write_results(output_dir: Path, metrics: dict, columns: dict, task, data, generations: list[str] | None = None):
+    """eval_results.json, predictions.csv (in the data's order, with the generations if any) and the task's
+    pictures."""
     output_dir.mkdir(parents=True, exist_ok=True)
     # Rounded so that the number of processes (the summation order) cannot change the file. Another batch size
     # pads differently, which under bf16 autocast can move eval_loss in the 6th decimal.
     write_json(output_dir / "eval_results.json", {k: round(v, 6) for k, v in metrics.items()})
     rows = {"index": columns["index"].tolist(), **task.prediction_rows(columns, data)}
+    if generations is not None:
+        rows["generation"] = generations
     with open(output_dir / "predictions.csv", "w", newline="") as file:
         writer = csv.writer(file)
         writer.writerow(rows)

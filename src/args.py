@@ -475,6 +475,19 @@ def build_eval_parser() -> ArgumentParser:
     )
     run.add_argument("--cpu_threads", type=_positive_int, help="Threads per process on a CPU run; as train.py.")
     _add_timeout_arguments(run)
+    generation = parser.add_argument_group("generation (causal LMs on prompt/completion or chat rows)")
+    _switch(
+        generation,
+        "--predict_with_generate",
+        default=False,
+        help="Also generate an answer to each row's prompt: predictions.csv's `generation` column.",
+    )
+    generation.add_argument(
+        "--generation_max_length", type=_positive_int, default=128, help="New tokens per answer at most."
+    )
+    generation.add_argument(
+        "--generation_num_beams", type=_positive_int, default=1, help="Beam search width; 1: greedy decoding."
+    )
     return parser
 
 

@@ -145,6 +145,11 @@ class Task:
         """Pictures of the predictions that evaluate.py writes; returns their file names."""
         return []
 
+    def prompts(self, dataset, tokenizer) -> list[list[int]] | None:
+        """For evaluate.py --predict_with_generate: each row's prompt as token ids, in row order; None if the task's
+        rows hold nothing to generate from."""
+        return None
+
     # --- the model card ---
     def model_card(self, where: str, base_name: str, adapter: bool) -> dict:
         """{'kind': what the model does, 'pipeline_tag', 'labels': names or [], 'usage': lines of Python}."""

@@ -227,6 +227,19 @@ class CausalLM(Task):
         losses = [f"{loss / max(1, n):.6f}" for loss, n in zip(columns["loss"].tolist(), units)]
         return {"tokens": units, "loss": losses}
 
+    def prompts(self, dataset: Dataset, tokenizer) -> list[list[int]] | None:
+        """What the model is to answer: a row's prompt, tokenized as in training; a conversation without its last
+        turn if the assistant wrote it (the reference answer), through the chat template with its generation prompt.
+        Text rows hold none: they are cut into blocks across rows."""
+        if self.format == TEXT:
+            return None
+        if self.format == PROMPT_COMPLETION:
+            return tokenizer(list(dataset["prompt"]))["input_ids"]
+        conversations = [_messages(row) for row in dataset]
+        return [tokenizer.apply_chat_template(turns[:-1] if turns and turns[-1]["role"] == "assistant" else turns,
+                                              add_generation_prompt=True, tokenize=True, return_dict=False)
+                for turns in conversations]  # fmt: skip
+
     # --- the model card ---
     def model_card(self, where: str, base_name: str, adapter: bool) -> dict:
         load = (["from peft import AutoPeftModelForCausalLM", "from transformers import AutoTokenizer", "",
@@ -263,20 +276,24 @@ def _prompt_completion_example(tokenizer, row: dict, max_length: int, completion
 def _chat_example(tokenizer, row: dict, max_length: int, assistant_only: bool):
     """The conversation through the chat template, cut to max_length; with `assistant_only`, labels only where the
     template's {% generation %} blocks put the assistant's text (and the token that ends its turn, if inside)."""
-    turns = row.get("messages") or row.get("conversations") or []
-    if not all(isinstance(turn, dict) and ({"role", "content"} <= set(turn) or {"from", "value"} <= set(turn))
-               for turn in turns):  # fmt: skip
-        raise UserError(f"a chat row must list turns with 'role' and 'content' (or ShareGPT 'from' and 'value'); "
-                        f"found {str(turns)[:200]}")  # fmt: skip
-    messages = [turn if "role" in turn else {"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]),
-                                             "content": turn["value"]} for turn in turns]  # fmt: skip
-    rendered = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+    rendered = tokenizer.apply_chat_template(_messages(row), tokenize=True, return_dict=True,
                                              return_assistant_tokens_mask=assistant_only)  # fmt: skip
     ids = list(rendered["input_ids"])
     if not assistant_only:
         return ids[:max_length], ids[:max_length]
     labels = [token if learnt else IGNORE for token, learnt in zip(ids, rendered["assistant_masks"])]
     return ids[:max_length], labels[:max_length]
+
+
+def _messages(row: dict) -> list[dict]:
+    """A chat row's turns with `role` and `content` (ShareGPT's `from` and `value` renamed)."""
+    turns = row.get("messages") or row.get("conversations") or []
+    if not all(isinstance(turn, dict) and ({"role", "content"} <= set(turn) or {"from", "value"} <= set(turn))
+               for turn in turns):  # fmt: skip
+        raise UserError(f"a chat row must list turns with 'role' and 'content' (or ShareGPT 'from' and 'value'); "
+                        f"found {str(turns)[:200]}")  # fmt: skip
+    return [turn if "role" in turn else {"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]),
+                                         "content": turn["value"]} for turn in turns]  # fmt: skip
 
 
 def _text_blocks(dataset: Dataset, tokenizer, block: int, num_proc: int | None) -> Dataset:

@@ -1,0 +1,118 @@
+"""evaluate.py --predict_with_generate: a causal LM's answer to every prompt, in predictions.csv in data order, equal
+to what transformers generates for each prompt alone, the same on 2 ranks whose weights every step needs from all
+ranks (as under FSDP or ZeRO-3); the prompts of chat rows; one-line errors for rows without prompts."""
+
+import csv
+import json
+import types
+
+import pytest
+from conftest import REPO, launch, run_in_process, sentiment_rows, train_args, write_rows
+from datasets import Dataset
+
+from src.errors import UserError
+from src.tasks.causal_lm import CHAT, CausalLM
+
+MAX_NEW_TOKENS = "8"
+
+
+def answer_rows(count: int, seed: int) -> list[dict]:
+    """Demo sentences as prompts, with answers of two lengths, so that some generations stop sooner than others."""
+    answers = {"positive": "good", "negative": "bad , not good , so so"}
+    return [{"prompt": row["sentence"], "completion": answers[row["label"]]} for row in sentiment_rows(count, seed)]
+
+
+@pytest.fixture(scope="module")
+def trained_lm(tmp_path_factory, tiny_decoders):
+    """The tiny Llama after 10 steps on 40 prompt/completion rows, the training run's metrics, and 7 rows to evaluate
+    (prompts of 8 to 13 tokens: batches mix lengths; 7 do not split evenly over 2 ranks)."""
+    folder = tmp_path_factory.mktemp("generation")
+    train = write_rows(folder / "train.jsonl", answer_rows(40, seed=1))
+    dev = write_rows(folder / "dev.jsonl", answer_rows(7, seed=2))
+    results = run_in_process(
+        "train", train_args(tiny_decoders["llama"], train, dev, folder / "out", "--max_length", "48")
+    )
+    return {"model": folder / "out", "dev": dev, "results": results}
+
+
+def evaluate_args(trained_lm, output_dir, *extra) -> list[str]:
+    return ["--model_name_or_path", str(trained_lm["model"]), "--validation_file", str(trained_lm["dev"]),
+            "--output_dir", str(output_dir), "--mixed_precision", "no", "--predict_with_generate",
+            "--generation_max_length", MAX_NEW_TOKENS, *extra]  # fmt: skip
+
+
+def predictions(folder) -> list[dict]:
+    with open(folder / "predictions.csv", newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def answers_alone(model_dir, prompts: list[str], num_beams: int) -> list[str]:
+    """What plain transformers generates for each prompt alone (no padding, no batch, nothing from src/)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    answers = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            output = model.generate(**ids, max_new_tokens=int(MAX_NEW_TOKENS), num_beams=num_beams, do_sample=False)
+        answers.append(tokenizer.decode(output[0, ids.input_ids.shape[1] :], skip_special_tokens=True))
+    return answers
+
+
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_each_prompts_answer_is_what_the_model_generates_for_it_alone(trained_lm, tmp_path, num_beams):
+    """Batches of 3 prompts of different lengths, sorted by length: each answer lands on its own row, and left padding
+    leaves every answer as it is alone. The metrics are the training run's."""
+    beams = ["--generation_num_beams", str(num_beams)]
+    metrics = run_in_process(
+        "evaluate", evaluate_args(trained_lm, tmp_path, "--per_device_eval_batch_size", "3", *beams)
+    )
+    rows = predictions(tmp_path)
+    assert list(rows[0]) == ["index", "tokens", "loss", "generation"]
+    assert [row["index"] for row in rows] == [str(i) for i in range(7)]
+    prompts = [row["prompt"] for row in map(json.loads, trained_lm["dev"].read_text().splitlines())]
+    expected = answers_alone(trained_lm["model"], prompts, num_beams)
+    assert len(set(expected)) > 1, "the answers must differ for the test to see them out of order"
+    assert [row["generation"] for row in rows] == expected
+    assert metrics["eval_loss"] == pytest.approx(trained_lm["results"]["eval_loss"], rel=1e-6)
+    assert metrics["eval_mean_token_accuracy"] == trained_lm["results"]["eval_mean_token_accuracy"]
+
+
+def test_two_ranks_with_sharded_steps_write_what_one_process_writes(trained_lm, tmp_path):
+    """2 ranks x 2 prompts (7 prompts: the last batch is evened out with a repeat), each forward pass a collective of
+    both ranks as under FSDP: the run finishes only if a rank whose answers end sooner still steps with the other."""
+    run_in_process("evaluate", evaluate_args(trained_lm, tmp_path / "one", "--per_device_eval_batch_size", "3"))
+    two = evaluate_args(trained_lm, tmp_path / "two", "--per_device_eval_batch_size", "2", "--ddp_timeout", "30")
+    result = launch("tests/sharded_steps.py", two, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert predictions(tmp_path / "two") == predictions(tmp_path / "one")
+
+
+def test_a_conversations_prompt_is_everything_before_its_last_answer(tiny_decoders):
+    task = CausalLM(CHAT, chat_template=(REPO / "examples" / "chat_template.jinja").read_text())
+    tokenizer = task.load_tokenizer(str(tiny_decoders["llama"]), types.SimpleNamespace(trust_remote_code=False))
+    turns = [{"role": "user", "content": "the plot"}, {"role": "assistant", "content": "was good"},
+             {"role": "user", "content": "and the acting"}, {"role": "assistant", "content": "was bad"}]  # fmt: skip
+    sharegpt = [{"from": "human" if t["role"] == "user" else "gpt", "value": t["content"]} for t in turns]
+    prompts = task.prompts(Dataset.from_list([{"messages": turns}, {"messages": turns[:3]}]), tokenizer)
+    prompts += task.prompts(Dataset.from_list([{"conversations": sharegpt}]), tokenizer)
+    eos = tokenizer.eos_token  # the template's turns as the tiny tokenizer's words (its markers are <unk> to it)
+    before_last_answer = f"<|user|>\nthe plot{eos}\n<|assistant|>\nwas good{eos}\n<|user|>\nand the acting{eos}\n"
+    expected = tokenizer(before_last_answer + "<|assistant|>\n", add_special_tokens=False)["input_ids"]
+    assert prompts == [expected] * 3
+
+
+def test_rows_without_prompts_are_one_line_errors(trained_lm, tiny_model, tmp_path):
+    texts = write_rows(tmp_path / "texts.jsonl", [{"text": "the plot was good"}])
+    with pytest.raises(UserError, match="a model for causal-LM fine-tuning on text has none to answer"):
+        run_in_process("evaluate", evaluate_args(trained_lm, tmp_path, "--validation_file", str(texts)))
+    with pytest.raises(UserError, match="2 of 7 rows are not evaluated .nothing to learn within --max_length 12"):
+        run_in_process("evaluate", evaluate_args(trained_lm, tmp_path, "--max_length", "12"))
+    sentences = write_rows(tmp_path / "sentences.csv", sentiment_rows(4))
+    argv = ["--model_name_or_path", str(tiny_model), "--validation_file", str(sentences), "--output_dir", str(tmp_path),
+            "--predict_with_generate"]  # fmt: skip
+    with pytest.raises(UserError, match="a model for classification into 2 classes has none to answer"):
+        run_in_process("evaluate", argv)
