@@ -41,7 +41,7 @@ from src.hub import check_hub_access, push_to_hub
 from src.loaders import build_eval_dataloader, build_train_dataloader, padding_options
 from src.model import prepare_for_training, resolve_max_length
 from src.model_card import write_model_card
-from src.optimizer import build_optimizer, build_scheduler, count_parameters
+from src.optimizer import build_optimizer, build_scheduler, count_parameters, use_sharded_parameters
 from src.plan import BatchSizes, Plan, learning_rate, make_plan
 from src.precision import choose_precision
 from src.record import run_record
@@ -177,6 +177,7 @@ def main(args):
     model, optimizer, train_dataloader, *eval_dataloaders_prepared = accelerator.prepare(
         model, optimizer, train_dataloader, *eval_dataloaders.values()
     )
+    use_sharded_parameters(optimizer, model, accelerator)  # FSDP: accelerate's swap can lose parameters
     eval_dataloaders = dict(zip(eval_dataloaders, eval_dataloaders_prepared))
     # Every rank started from the same weights; from here each draws its own dropout masks.
     set_seed(args.seed, device_specific=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from accelerate.logging import get_logger
+from accelerate.utils import DistributedType
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 
 from src.errors import UserError
@@ -193,7 +194,29 @@ def prepare_for_training(model, args, accelerator, task):
         from src.lora import add_lora
 
         model = add_lora(model, args, accelerator, task.peft_task_type, task.new_head)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        choose_fsdp_layers(model, accelerator.state.fsdp_plugin)
     return model
+
+
+def choose_fsdp_layers(model, plugin):
+    """FSDP shards each transformer layer on its own: the modules of the model's largest nn.ModuleList (by
+    parameters), unless the config names them (fsdp_transformer_layer_cls_to_wrap).
+
+    Left to accelerate, TRANSFORMER_BASED_WRAP shards every class in the model's `_no_split_modules`: BERT's lists
+    BertEmbeddings, whose word embeddings accelerate then shards a second time as the input embeddings, which fails
+    in prepare ("Invariant encountered: value was None").
+    """
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    if plugin.auto_wrap_policy is not transformer_auto_wrap_policy or plugin.transformer_cls_names_to_wrap:
+        return
+    lists = [module for module in model.modules() if isinstance(module, torch.nn.ModuleList)]
+    if not lists:
+        return
+    layers = max(lists, key=lambda layers: sum(p.numel() for p in layers.parameters()))
+    plugin.transformer_cls_names_to_wrap = sorted({type(layer).__name__ for layer in layers})
+    logger.info(f"FSDP shards each {', '.join(plugin.transformer_cls_names_to_wrap)} ({len(layers)} layers)")
 
 
 def _without_kv_cache(model):

@@ -193,10 +193,12 @@ def free_port() -> str:
         return str(probe.getsockname()[1])
 
 
-def launch_command(script: str, args: list[str], num_processes: int = 2) -> list[str]:
-    """`accelerate launch` with really `num_processes` CPU ranks (gloo), on a free port."""
+def launch_command(script: str, args: list[str], num_processes: int = 2, config: Path = CPU_CONFIG) -> list[str]:
+    """`accelerate launch` with really `num_processes` CPU ranks (gloo), on a free port, in fp32 (the GPU configs
+    ask for bf16)."""
     port = free_port()
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG)]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--mixed_precision",
+                "no"]  # fmt: skip
     return [*launcher, "--num_processes", str(num_processes), "--main_process_port", port, str(REPO / script), *args]
 
 
@@ -226,10 +228,12 @@ def kill_tree(process: subprocess.Popen):
     process.communicate()
 
 
-def launch(script: str, args: list[str], num_processes: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+def launch(
+    script: str, args: list[str], num_processes: int = 2, timeout: int = 300, config: Path = CPU_CONFIG
+) -> subprocess.CompletedProcess:
     """Run a real multi-process launch to its end (every process of it killed on a timeout)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return run_process(launch_command(script, args, num_processes), timeout, cwd=REPO, env=env)
+    return run_process(launch_command(script, args, num_processes, config), timeout, cwd=REPO, env=env)
 
 
 # The 2-rank reference run's settings beyond train_args: 2 ranks x 4 (the 1-rank twin uses 8), evaluation every 3

@@ -1,0 +1,178 @@
+"""accelerate_configs/fsdp.yaml (FSDP2, `fully_shard`) on 2 gloo CPU ranks, through tests/fsdp_on_cpu.py: the
+shipped config as users launch it, with the FSDP state that accelerate keeps for GPUs.
+
+The quick tests share one FSDP launch of the default MiniLM and its DDP twin (cpu.yaml); the slow ones resume a
+sharded checkpoint, train LoRA and a causal LM under FSDP.
+"""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from conftest import (
+    REPO,
+    WEIGHTS_ATOL,
+    launch,
+    run_in_process,
+    sentiment_files,
+    tensor_names,
+    train_args,
+)
+from safetensors.torch import load_file
+
+from src.model import default_model_path
+
+FSDP_CONFIG = REPO / "accelerate_configs" / "fsdp.yaml"
+OPTIMIZER_REPORT = re.compile(r"fsdp_on_cpu rank (\d): optimizer slots (\d+), distinct (\d+), "
+                              r"model's trainable held (\d+) of (\d+)")  # fmt: skip
+
+
+def launch_fsdp(args: list[str]):
+    """train.py under fsdp.yaml on 2 CPU ranks (fp32); fails the test unless the run ended well and was FSDP."""
+    result = launch("tests/fsdp_on_cpu.py", ["train.py", *args], config=FSDP_CONFIG)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-3000:]
+    assert "Processes = 2 on cpu (FSDP)" in log, "the run was not sharded"
+    return log
+
+
+def results(folder) -> dict:
+    return json.loads((folder / "all_results.json").read_text())
+
+
+def eval_metrics(metrics: dict) -> dict:
+    return {key: value for key, value in metrics.items() if key.startswith("eval_")}
+
+
+def max_difference(first: dict, second: dict) -> float:
+    assert first.keys() == second.keys()
+    return max((first[k] - second[k]).abs().max().item() for k in first)
+
+
+@pytest.fixture(scope="module")
+def minilm_runs(tmp_path_factory):
+    """The default MiniLM with its new head, 32 rows on 2 ranks of 4 rows, fp32 without clipping: under FSDP and
+    under DDP. Clipping is off because FSDP computes the gradient norm over shards, in another order than DDP."""
+    folder = tmp_path_factory.mktemp("fsdp-minilm")
+    data = sentiment_files(folder, 32, 20)
+    flags = ["--num_train_epochs", "1", "--per_device_train_batch_size", "4", "--max_grad_norm", "0"]
+    fsdp, ddp = folder / "fsdp", folder / "ddp"
+    log = launch_fsdp(train_args(default_model_path(), *data, fsdp, *flags))
+    ddp_run = launch("train.py", train_args(default_model_path(), *data, ddp, *flags))
+    assert ddp_run.returncode == 0, ddp_run.stderr[-3000:]
+    return {"data": data, "fsdp": fsdp, "ddp": ddp, "log": log}
+
+
+def test_fsdp_prepares_minilm_and_trains_it_to_the_weights_ddp_reaches(minilm_runs):
+    """The shipped config wrapped BertEmbeddings too, and prepare crashed on MiniLM; now each BertLayer is sharded.
+    With 2 ranks each gradient is the sum of 2 terms, the same in any order, so the weights are equal, not close."""
+    assert "FSDP shards each BertLayer (6 layers)" in minilm_runs["log"]
+    fsdp = load_file(minilm_runs["fsdp"] / "model.safetensors")
+    ddp = load_file(minilm_runs["ddp"] / "model.safetensors")
+    assert max_difference(fsdp, ddp) == 0.0
+    assert results(minilm_runs["fsdp"])["train_loss"] == results(minilm_runs["ddp"])["train_loss"]
+
+
+def test_each_rank_optimizer_holds_every_trainable_parameter_once(minilm_runs):
+    """fsdp_cpu_ram_efficient_loading leaves the new head on the meta device on rank 1, where accelerate's swap to
+    sharded parameters by data pointer put classifier.bias in the optimizer twice and classifier.weight not at all."""
+    reports = {int(rank): [int(n) for n in counts] for rank, *counts in OPTIMIZER_REPORT.findall(minilm_runs["log"])}
+    assert sorted(reports) == [0, 1], minilm_runs["log"][-3000:]
+    for rank, (slots, distinct, held, trainable) in reports.items():
+        assert slots == distinct == held == trainable, f"rank {rank}: {reports[rank]}"
+
+
+def test_the_fsdp_save_is_a_whole_model_that_from_pretrained_loads(minilm_runs):
+    from transformers import AutoModelForSequenceClassification
+
+    folder = minilm_runs["fsdp"]
+    assert tensor_names(folder / "model.safetensors") == tensor_names(minilm_runs["ddp"] / "model.safetensors")
+    model, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
+    assert not any(info.values()), info  # missing, unexpected, mismatched keys, errors
+    for name, tensor in model.state_dict().items():
+        assert tensor.device.type == "cpu" and tensor.count_nonzero() > 0, f"{name} was not gathered"
+
+
+def test_evaluation_under_fsdp_equals_one_rank_evaluation(minilm_runs, tmp_path):
+    """train.py's last evaluation, sharded on 2 ranks, against evaluate.py on 1 rank on the saved model. The loss
+    may differ in the last bits: the batches, and so the padding around each text, are not the same."""
+    under_fsdp = eval_metrics(results(minilm_runs["fsdp"]))
+    argv = ["--model_name_or_path", str(minilm_runs["fsdp"]), "--validation_file", str(minilm_runs["data"][1]),
+            "--output_dir", str(tmp_path), "--mixed_precision", "no"]  # fmt: skip
+    one_rank = eval_metrics(run_in_process("evaluate", argv))
+    assert one_rank.keys() == under_fsdp.keys()
+    assert one_rank.pop("eval_loss") == pytest.approx(under_fsdp.pop("eval_loss"), rel=1e-6)
+    assert one_rank == under_fsdp
+    assert eval_metrics(results(minilm_runs["ddp"])) == eval_metrics(results(minilm_runs["fsdp"]))
+
+
+def test_fsdp_shards_the_largest_layer_list_unless_the_config_names_layers(tiny_decoders):
+    from accelerate import PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from src.model import choose_fsdp_layers
+
+    PartialState(cpu=True)  # accelerate's logger, which says what was chosen
+
+    def chosen(model, **config):
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap", **config)
+        choose_fsdp_layers(model, plugin)
+        return plugin.transformer_cls_names_to_wrap
+
+    minilm = AutoModelForSequenceClassification.from_pretrained(default_model_path())
+    assert chosen(minilm) == ["BertLayer"]  # not BertEmbeddings, which BERT's _no_split_modules names too
+    assert chosen(AutoModelForCausalLM.from_pretrained(tiny_decoders["llama"])) == ["LlamaDecoderLayer"]
+    assert chosen(minilm, transformer_cls_names_to_wrap="BertEmbeddings") == ["BertEmbeddings"]  # the user's choice
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_mid_epoch_resumes_to_the_uninterrupted_weights(tiny_model, tmp_path):
+    """2 epochs of 4 steps, with dropout (whose random state the checkpoint carries); checkpoint-5 is one step into
+    the second epoch. What a kill after it leaves (that checkpoint alone) resumes bit for bit."""
+    data = sentiment_files(tmp_path, 32, 20)
+    flags = ["--per_device_train_batch_size", "4", "--checkpointing_steps", "5"]
+    uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    launch_fsdp(train_args(tiny_model, *data, uninterrupted, *flags))
+    checkpoint = uninterrupted / "checkpoint-5"
+    assert list(checkpoint.glob("pytorch_model_fsdp_0/*.distcp")) and list(checkpoint.glob("optimizer_0/*.distcp"))
+    shutil.copytree(checkpoint, resumed / checkpoint.name)
+    log = launch_fsdp(train_args(tiny_model, *data, resumed, *flags, "--resume_from_checkpoint", "latest"))
+    assert f"resuming from {resumed / checkpoint.name} at step 5" in log
+    first, second = load_file(uninterrupted / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_saves_the_adapter_only_and_evaluate_py_reproduces_it(tiny_model, tmp_path):
+    data = sentiment_files(tmp_path, 32, 20)
+    out = tmp_path / "out"
+    launch_fsdp(train_args(tiny_model, *data, out, "--use_peft", "--lora_r", "4", "--lora_dropout", "0"))
+    assert not (out / "model.safetensors").exists()
+    adapter = tensor_names(out / "adapter_model.safetensors")
+    assert adapter and all(".lora_" in name or ".classifier." in name for name in adapter), sorted(adapter)
+    argv = ["--model_name_or_path", str(out), "--validation_file", str(data[1]), "--output_dir", str(tmp_path / "eval"),
+            "--mixed_precision", "no"]  # fmt: skip
+    again, trained = eval_metrics(run_in_process("evaluate", argv)), eval_metrics(results(out))
+    assert again.pop("eval_loss") == pytest.approx(trained.pop("eval_loss"), rel=1e-6)  # other batches' padding
+    assert again == trained
+
+
+@pytest.mark.slow
+def test_a_causal_lm_under_fsdp_trains_like_one_rank_of_the_whole_batch(tiny_decoders, tmp_path):
+    """2 ranks x 4 rows against 1 rank x 8 rows: the same updates, summed in another order (WEIGHTS_ATOL: conftest).
+    Completions of 1 to 19 words give the ranks different numbers of tokens, which each step's loss must count on
+    both ranks together."""
+    rows = [{"prompt": "the plot was", "completion": " ".join(["good"] * (1 + 7 * i % 19))} for i in range(32)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    model = tiny_decoders["llama"]
+    log = launch_fsdp(train_args(model, data, data, tmp_path / "fsdp", "--per_device_train_batch_size", "4"))
+    assert "FSDP shards each LlamaDecoderLayer (2 layers)" in log
+    run_in_process("train", train_args(model, data, data, tmp_path / "one", "--per_device_train_batch_size", "8"))
+    worst = max_difference(load_file(tmp_path / "fsdp" / "model.safetensors"),
+                           load_file(tmp_path / "one" / "model.safetensors"))  # fmt: skip
+    print(f"a causal LM under FSDP (2 x 4) and on 1 rank (1 x 8): weights differ by up to {worst:.1e}")
+    assert worst < WEIGHTS_ATOL, f"weights differ by up to {worst}"
