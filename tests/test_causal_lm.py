@@ -139,6 +139,8 @@ def test_lora_sft_on_chat_rows_and_evaluate_py_reproduces_it(chat_lora_run, tmp_
     assert metrics["eval_samples"] == results["eval_samples"] == 9
     assert metrics["eval_mean_token_accuracy"] == results["eval_mean_token_accuracy"]
     assert metrics["eval_loss"] == pytest.approx(results["eval_loss"], rel=1e-6)
+    printed = run_model_card_snippet(out)  # the adapter on its base, through the chat template saved with it
+    assert printed.startswith("<s> <unk>") and len(printed.split()) > 2, printed
 
 
 def test_three_ranks_count_every_token_once_as_one_rank_does(chat_lora_run, tmp_path):
@@ -184,15 +186,17 @@ def test_the_model_card_shows_how_to_generate_and_that_runs(tmp_path, tiny_decod
 
 def test_a_global_batch_gives_the_same_update_however_it_is_split(tiny_decoders, tmp_path):
     """Completions of very different lengths: 1 batch of 8, 2 accumulated batches of 4, and batches of 4 on 2 ranks
-    (with gradient checkpointing, which must not change the gradients) give the same weights only when each batch's
-    summed token loss is divided by the whole step's tokens on all ranks (not averaged per batch or per rank)."""
+    (with gradient checkpointing and the batch-size probe, which must not change the update) give the same weights
+    only when each batch's summed token loss is divided by the whole step's tokens on all ranks (not averaged per
+    batch or per rank)."""
     from safetensors.torch import load_file
 
     rows = [{"prompt": "the plot was", "completion": " ".join(["good"] * (1 + 5 * (i % 4)))} for i in range(16)]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     weights = {}
-    ways = {"one": ("8", "1", []), "accumulated": ("4", "2", []), "ranks": ("4", "1", ["--gradient_checkpointing"])}
+    ways = {"one": ("8", "1", []), "accumulated": ("4", "2", []),
+            "ranks": ("4", "1", ["--gradient_checkpointing", "--auto_find_batch_size"])}  # fmt: skip
     for name, (size, steps, extra) in ways.items():
         batches = ["--per_device_train_batch_size", size, "--gradient_accumulation_steps", steps, *extra]
         argv = train_args(tiny_decoders["llama"], data, data, tmp_path / name, *batches)

@@ -247,10 +247,12 @@ class CausalLM(Task):
                 ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
                  f'model = AutoModelForCausalLM.from_pretrained("{where}")'])  # fmt: skip
         chat = '[{"role": "user", "content": "Hello"}], add_generation_prompt=True, return_tensors="pt"'
-        text = 'tokenizer("Hello", return_tensors="pt").input_ids'
+        text = 'tokenizer("Hello", return_tensors="pt")'
         prompt = f"tokenizer.apply_chat_template({chat})" if self.format == CHAT else text
+        # Up to the EOS that training appended to every answer.
+        generate = "model.generate(**inputs, max_new_tokens=64, eos_token_id=tokenizer.eos_token_id)"
         usage = [*load, f'tokenizer = AutoTokenizer.from_pretrained("{where}")', f"inputs = {prompt}",
-                 "print(tokenizer.decode(model.generate(inputs, max_new_tokens=64)[0]))"]  # fmt: skip
+                 f"print(tokenizer.decode({generate}[0]))"]  # fmt: skip
         return {"kind": self.describe(), "pipeline_tag": "text-generation", "labels": [], "usage": usage}
 
 
