@@ -108,6 +108,21 @@ def test_evaluation_under_fsdp_equals_one_rank_evaluation(minilm_runs, tmp_path)
     assert eval_metrics(results(minilm_runs["ddp"])) == eval_metrics(results(minilm_runs["fsdp"]))
 
 
+@pytest.mark.slow
+def test_evaluate_py_under_fsdp_writes_what_one_rank_writes(minilm_runs, tmp_path):
+    """evaluate.py with the shipped config: the model sharded as in training (accelerate 1.15 refuses FSDP2 through
+    prepare_model), every example counted once."""
+    argv = ["evaluate.py", "--model_name_or_path", str(minilm_runs["fsdp"]), "--validation_file",
+            str(minilm_runs["data"][1]), "--mixed_precision", "no", "--per_device_eval_batch_size", "8"]  # fmt: skip
+    run_in_process("evaluate", [*argv[1:], "--output_dir", str(tmp_path / "one")])
+    result = launch("tests/fsdp_on_cpu.py", [*argv, "--output_dir", str(tmp_path / "fsdp")], config=FSDP_CONFIG)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert (tmp_path / "fsdp" / "predictions.csv").read_text() == (tmp_path / "one" / "predictions.csv").read_text()
+    sharded, one_rank = (json.loads((tmp_path / n / "eval_results.json").read_text()) for n in ("fsdp", "one"))
+    assert sharded.pop("eval_loss") == pytest.approx(one_rank.pop("eval_loss"), rel=1e-6)  # other batches' padding
+    assert sharded == one_rank
+
+
 def test_fsdp_shards_the_largest_layer_list_unless_the_config_names_layers(tiny_decoders):
     from accelerate import PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin
