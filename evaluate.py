@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType
 from datasets import Dataset
 
 from src.args import Flags, build_eval_parser, parse_args
@@ -27,7 +26,7 @@ from src.evaluation import evaluate
 from src.generation import generate
 from src.glue import glue_labels
 from src.loaders import build_eval_dataloader, padding_options
-from src.model import resolve_max_length
+from src.model import prepare_for_evaluation, resolve_max_length
 from src.precision import choose_precision
 from src.record import DEFAULT_TASK, read_record
 from src.reporting import setup_logging, write_json
@@ -102,10 +101,7 @@ def main(args):
 
     collator = task.collator(tokenizer, **padding_options(accelerator.device))  # as train.py pads
     dataloader = accelerator.prepare(build_eval_dataloader(dataset, collator, args.per_device_eval_batch_size))
-    if accelerator.distributed_type == DistributedType.FSDP:  # sharded as in training: a model too big for one GPU
-        model = accelerator.prepare(model)  # (accelerate prepares FSDP2 models only through prepare())
-    else:
-        model = accelerator.prepare_model(model, evaluation_mode=True)  # no DDP wrapper: nothing to synchronise
+    model = prepare_for_evaluation(model, accelerator)
     logger.info(
         f"Evaluating {args.model_name_or_path} on {len(dataset)} examples with {accelerator.num_processes} "
         f"process(es), batch size {args.per_device_eval_batch_size} per process"

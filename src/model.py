@@ -199,6 +199,17 @@ def prepare_for_training(model, args, accelerator, task):
     return model
 
 
+def prepare_for_evaluation(model, accelerator):
+    """The model for evaluation only: whole on each rank, without DDP's wrapper (nothing to synchronise); under FSDP
+    sharded as in training, for a model too big for one GPU."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return accelerator.prepare_model(model, evaluation_mode=True)
+    choose_fsdp_layers(model, accelerator.state.fsdp_plugin)
+    # accelerate 1.15 shards an FSDP2 model only together with an optimizer; evaluation never steps this one.
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    return model
+
+
 def choose_fsdp_layers(model, plugin):
     """FSDP shards each transformer layer on its own: the modules of the model's largest nn.ModuleList (by
     parameters), unless the config names them (fsdp_transformer_layer_cls_to_wrap).

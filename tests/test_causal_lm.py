@@ -139,8 +139,10 @@ def test_lora_sft_on_chat_rows_and_evaluate_py_reproduces_it(chat_lora_run, tmp_
     assert metrics["eval_samples"] == results["eval_samples"] == 9
     assert metrics["eval_mean_token_accuracy"] == results["eval_mean_token_accuracy"]
     assert metrics["eval_loss"] == pytest.approx(results["eval_loss"], rel=1e-6)
-    printed = run_model_card_snippet(out)  # the adapter on its base, through the chat template saved with it
-    assert printed.startswith("<s> <unk>") and len(printed.split()) > 2, printed
+    # The adapter on its base, prompted through the template saved with it: "<|user|>\nHello</s>\n<|assistant|>\n"
+    # (the markers and "Hello" are <unk> to the tiny vocabulary), then an answer.
+    words = run_model_card_snippet(out).split()
+    assert words[:8] == ["<unk>"] * 4 + ["</s>"] + ["<unk>"] * 3 and len(words) > 8, words
 
 
 def test_three_ranks_count_every_token_once_as_one_rank_does(chat_lora_run, tmp_path):
