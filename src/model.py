@@ -3,12 +3,14 @@ the head class a task names (`AutoModelForSequenceClassification`, ...); how the
 back, whole or as a LoRA adapter (src/lora.py) on its base model."""
 
 import importlib.util
+import os
 import tempfile
 from pathlib import Path
 
 import torch
+from accelerate import PartialState, init_empty_weights
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, parse_flag_from_env
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 
 from src.errors import UserError
@@ -132,14 +134,16 @@ def load_model(
     """The model to fine-tune: `auto_class` (e.g. AutoModelForSequenceClassification) from `name_or_path` with
     `config` (see load_config); a new head if the checkpoint's is missing or, with `ignore_mismatched_sizes`, of
     another size. No `name_or_path`: a new model with random weights, from `config`. `lora`: the weights will be frozen
-    under LoRA adapters (see `weights_dtype`)."""
+    under LoRA adapters (see `weights_dtype`). On a rank that prepare() gives rank 0's weights
+    (`weights_come_from_rank_0`), the parameters are left empty, on the meta device, and nothing is read."""
+    dtype = weights_dtype(lora, mixed_precision) if name_or_path else torch.float32
+    # "auto" is the checkpoint's dtype: the config's; if it names none, from_pretrained reads the weights' and so
+    # does every rank (an empty model of another dtype would not take rank 0's broadcast).
+    known_dtype = config.dtype if dtype == "auto" else dtype
+    if known_dtype is not None and weights_come_from_rank_0():
+        return _without_kv_cache(_empty_model(auto_class, config, known_dtype, trust_remote_code))
     if name_or_path is None:
-        try:
-            model = auto_class.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
-        except ValueError as err:  # no such head for this architecture
-            raise UserError(f"cannot build a {auto_class.__name__[9:]} from a {config.model_type} config: "
-                            f"{' '.join(str(err).split())[:200]}") from err  # fmt: skip
-        return _without_kv_cache(model)
+        return _without_kv_cache(_from_config(auto_class, config, dtype, trust_remote_code))
     return _without_kv_cache(
         _load(
             "model",
@@ -147,10 +151,43 @@ def load_model(
             # A local folder by its absolute path: a LoRA adapter records it as its base model.
             str(Path(name_or_path).resolve()) if Path(name_or_path).is_dir() else name_or_path,
             config=config,
-            dtype=weights_dtype(lora, mixed_precision),
+            dtype=dtype,
             ignore_mismatched_sizes=ignore_mismatched_sizes,
             trust_remote_code=trust_remote_code,
         )
+    )
+
+
+def _from_config(auto_class, config, dtype, trust_remote_code):
+    try:
+        return auto_class.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    except ValueError as err:  # no such head for this architecture
+        raise UserError(f"cannot build a {auto_class.__name__[9:]} from a {config.model_type} config: "
+                        f"{' '.join(str(err).split())[:200]}") from err  # fmt: skip
+
+
+def _empty_model(auto_class, config, dtype, trust_remote_code):
+    """The model without weights: its parameters on the meta device. Buffers are made for real, as on rank 0:
+    accelerate broadcasts the state dict only and keeps each rank's non-persistent buffers (RoPE's inv_freq, BERT's
+    position ids)."""
+    with init_empty_weights(include_buffers=False):
+        model = _from_config(auto_class, config, dtype, trust_remote_code)
+    model.tie_weights()  # init_empty_weights gave the LM head a meta copy of the embeddings, not the same ones
+    return model
+
+
+def weights_come_from_rank_0() -> bool:
+    """Whether prepare() replaces this process's weights with rank 0's before any use, so that it need not read the
+    checkpoint: under FSDP2 with fsdp_cpu_ram_efficient_loading, accelerate moves every rank's model to the meta
+    device and broadcasts rank 0's full state dict into the other ranks' shards (fsdp2_prepare_model). transformers
+    still reads the whole checkpoint on every rank (it leaves only the keys the checkpoint lacks empty): one fp32 copy
+    of the model per process, 32 GB for an 8B model. These are the variables accelerate's FSDP plugin is built from;
+    FSDP1 syncs the module states its own way, untested here."""
+    return (
+        parse_flag_from_env("ACCELERATE_USE_FSDP")
+        and os.environ.get("FSDP_VERSION") == "2"
+        and parse_flag_from_env("FSDP_CPU_RAM_EFFICIENT_LOADING")
+        and PartialState().process_index != 0
     )
 
 
@@ -158,7 +195,9 @@ def load_trained_model(
     auto_class, model_dir: str, pad_token_id=None, mixed_precision="no", trust_remote_code=False, new_head=True
 ):
     """A fine-tuned model for evaluation: a whole model, or a LoRA output folder (its adapter and head on the base
-    model it names, in the dtypes training used). `new_head`: the task trained a head of its own (see add_lora)."""
+    model it names, in the dtypes training used). `new_head`: the task trained a head of its own (see add_lora).
+    A whole model is left empty on a rank that prepare() gives rank 0's weights (`weights_come_from_rank_0`); a LoRA
+    folder's base model is read on every rank."""
     from src.lora import is_adapter_folder, load_adapter_folder
 
     if is_adapter_folder(model_dir):
@@ -167,6 +206,8 @@ def load_trained_model(
         return _without_kv_cache(adapter)
     fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     config = _load("model config", AutoConfig.from_pretrained, model_dir, trust_remote_code=trust_remote_code, **fields)
+    if weights_come_from_rank_0():  # rank 0 has checked the head below before this rank gets here
+        return _without_kv_cache(_empty_model(auto_class, config, torch.float32, trust_remote_code))
     model, info = _load(
         "fine-tuned model", auto_class.from_pretrained, model_dir, config=config, dtype=torch.float32,
         trust_remote_code=trust_remote_code, output_loading_info=True,
@@ -252,6 +293,10 @@ def save_model(
     state_dict = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed: every rank calls it
     unwrapped = accelerator.unwrap_model(model)
     if not isinstance(unwrapped, PeftModel):
+        # FSDP gathers a tied weight (an LM head tied to the embeddings) as a tensor of its own, and save_pretrained
+        # drops only tensors that share memory: without this the file would hold the embeddings twice.
+        tied = getattr(unwrapped, "all_tied_weights_keys", {})
+        state_dict = {name: tensor for name, tensor in state_dict.items() if name not in tied}
         unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
         return
     if not accelerator.is_main_process:

@@ -31,9 +31,9 @@ def use_sharded_parameters(optimizer, model, accelerator):
 
     accelerate builds the optimizer before sharding (FSDP2 wants both in one prepare() call) and then swaps each
     parameter for its shard by matching data pointers. With fsdp_cpu_ram_efficient_loading, the ranks other than 0
-    hold a newly initialised head on the meta device, where every pointer is 0: the head's weight and bias become one
-    parameter in the optimizer, twice, and the weight is never trained on those ranks. Before the first step the
-    optimizer holds no state, so regrouping loses nothing.
+    build the model on the meta device (src/model.py, `weights_come_from_rank_0`), where every pointer is 0: all
+    parameters would become one in the optimizer, and the others would never be trained on those ranks. Before the
+    first step the optimizer holds no state, so regrouping loses nothing.
     """
     if accelerator.distributed_type != DistributedType.FSDP:
         return

@@ -8,12 +8,19 @@ accelerate turns an FSDP config on a machine without GPUs into plain gloo ranks 
 on gloo CPU ranks, so each process here starts accelerate's state as FSDP with the config's plugin, lets the
 refusal through and runs the script as __main__. Nothing in src/ or the scripts knows of this.
 
-Each rank prints, at its first optimizer step, how many parameters its optimizer holds and how many of them are the
-prepared model's trainable parameters: "fsdp_on_cpu rank R: optimizer slots S, distinct D, model's trainable held H
-of T".
+Each rank prints what the tests check and the docs' memory table reads:
+- in prepare(), how many of the model's parameters were still empty (meta device) and a digest of its buffers once
+  prepared, and its peak resident memory so far (loading and sharding): "fsdp_on_cpu rank R: parameters on meta
+  before prepare M of N, buffers after prepare DIGEST, peak RSS P MiB";
+- at its first optimizer step, how many parameters its optimizer holds and how many of them are the prepared model's
+  trainable parameters: "fsdp_on_cpu rank R: optimizer slots S, distinct D, model's trainable held H of T";
+- at exit, its peak resident memory: "fsdp_on_cpu rank R: peak RSS M MiB".
 """
 
+import atexit
+import hashlib
 import os
+import resource
 import runpy
 import sys
 from pathlib import Path
@@ -34,20 +41,33 @@ def start_fsdp_state():
     state.fsdp_plugin = plugin
 
 
-def report_optimizer_at_first_step():
-    """Print what each rank's optimizer holds once the script has finished preparing it (its first step)."""
+def report_prepare_and_first_step():
+    """Print what each rank's model was before prepare() and its buffers after, and what its optimizer holds once the
+    script has finished preparing it (its first step)."""
     import torch
     from accelerate import Accelerator
 
     prepare = Accelerator.prepare
 
     def prepare_and_watch(self, *objects):
+        model = next((obj for obj in objects if isinstance(obj, torch.nn.Module)), None)
+        on_meta = [p.device.type == "meta" for p in model.parameters()] if model is not None else []
         prepared = prepare(self, *objects)
         model = next((obj for obj in prepared if isinstance(obj, torch.nn.Module)), None)
         optimizer = next((obj for obj in prepared if isinstance(obj, torch.optim.Optimizer)), None)
+        if model is not None:
+            print(f"fsdp_on_cpu rank {self.process_index}: parameters on meta before prepare {sum(on_meta)} of "
+                  f"{len(on_meta)}, buffers after prepare {digest(model.buffers())}, peak RSS {peak_rss():.0f} MiB",
+                  flush=True)  # fmt: skip
         if model is not None and optimizer is not None:
             optimizer.optimizer.register_step_pre_hook(report_once(self, model))
         return prepared
+
+    def digest(buffers) -> str:
+        values = hashlib.sha256()
+        for buffer in buffers:
+            values.update(buffer.detach().cpu().double().numpy().tobytes())
+        return values.hexdigest()[:12]
 
     def report_once(accelerator, model):
         reported = []
@@ -68,6 +88,16 @@ def report_optimizer_at_first_step():
     Accelerator.prepare = prepare_and_watch
 
 
+def peak_rss() -> float:
+    """This process's peak resident memory so far, in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def report_peak_memory_at_exit():
+    atexit.register(lambda: print(f"fsdp_on_cpu rank {os.environ.get('RANK', 0)}: peak RSS {peak_rss():.0f} MiB",
+                                  flush=True))  # fmt: skip
+
+
 if __name__ == "__main__":
     script = REPO / sys.argv[1]
     sys.argv = [str(script), *sys.argv[2:]]
@@ -78,5 +108,6 @@ if __name__ == "__main__":
 
     start_fsdp_state()
     src.runtime.refuse_fsdp_without_gpus = lambda: None  # the scripts import it by name when they run
-    report_optimizer_at_first_step()
+    report_prepare_and_first_step()
+    report_peak_memory_at_exit()
     runpy.run_path(str(script), run_name="__main__")

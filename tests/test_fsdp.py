@@ -2,7 +2,8 @@
 shipped config as users launch it, with the FSDP state that accelerate keeps for GPUs.
 
 The quick tests share one FSDP launch of the default MiniLM and its DDP twin (cpu.yaml); the slow ones resume a
-sharded checkpoint, train LoRA and a causal LM under FSDP.
+sharded checkpoint, train LoRA and a causal LM under FSDP. fsdp.yaml loads the model on rank 0 only
+(fsdp_cpu_ram_efficient_loading): the other ranks build it empty, and prepare() gives them rank 0's weights.
 """
 
 import json
@@ -21,12 +22,16 @@ from conftest import (
     train_args,
 )
 from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from src.model import default_model_path
+import src.model
+from src.model import default_model_path, load_model
 
 FSDP_CONFIG = REPO / "accelerate_configs" / "fsdp.yaml"
 OPTIMIZER_REPORT = re.compile(r"fsdp_on_cpu rank (\d): optimizer slots (\d+), distinct (\d+), "
                               r"model's trainable held (\d+) of (\d+)")  # fmt: skip
+PREPARE_REPORT = re.compile(r"fsdp_on_cpu rank (\d): parameters on meta before prepare (\d+) of (\d+), "
+                            r"buffers after prepare (\w+)")  # fmt: skip
 
 
 def launch_fsdp(args: list[str]):
@@ -36,6 +41,17 @@ def launch_fsdp(args: list[str]):
     assert result.returncode == 0, log[-3000:]
     assert "Processes = 2 on cpu (FSDP)" in log, "the run was not sharded"
     return log
+
+
+def assert_only_rank_0_read_the_model(log: str):
+    """Rank 1 built its model empty (every parameter on the meta device, no checkpoint read), rank 0 wholly; after
+    prepare() both hold the same buffers (RoPE's inv_freq, position ids), which accelerate does not broadcast."""
+    reports = {int(rank): (int(on_meta), int(total), buffers) for rank, on_meta, total, buffers
+               in PREPARE_REPORT.findall(log)}  # fmt: skip
+    assert sorted(reports) == [0, 1], log[-3000:]
+    (on_meta_0, total, buffers_0), (on_meta_1, _, buffers_1) = reports[0], reports[1]
+    assert (on_meta_0, on_meta_1) == (0, total), f"parameters on meta before prepare, rank 0 and 1: {reports}"
+    assert buffers_0 == buffers_1, f"rank 1's buffers are not rank 0's: {reports}"
 
 
 def results(folder) -> dict:
@@ -76,17 +92,61 @@ def test_fsdp_prepares_minilm_and_trains_it_to_the_weights_ddp_reaches(minilm_ru
 
 
 def test_each_rank_optimizer_holds_every_trainable_parameter_once(minilm_runs):
-    """fsdp_cpu_ram_efficient_loading leaves the new head on the meta device on rank 1, where accelerate's swap to
-    sharded parameters by data pointer put classifier.bias in the optimizer twice and classifier.weight not at all."""
+    """fsdp_cpu_ram_efficient_loading builds rank 1's model on the meta device, where accelerate's swap to sharded
+    parameters by data pointer (all 0 there) would put one parameter in the optimizer many times, the others never."""
     reports = {int(rank): [int(n) for n in counts] for rank, *counts in OPTIMIZER_REPORT.findall(minilm_runs["log"])}
     assert sorted(reports) == [0, 1], minilm_runs["log"][-3000:]
     for rank, (slots, distinct, held, trainable) in reports.items():
         assert slots == distinct == held == trainable, f"rank {rank}: {reports[rank]}"
 
 
-def test_the_fsdp_save_is_a_whole_model_that_from_pretrained_loads(minilm_runs):
-    from transformers import AutoModelForSequenceClassification
+def test_only_rank_0_reads_the_checkpoint(minilm_runs):
+    assert_only_rank_0_read_the_model(minilm_runs["log"])
 
+
+def tied_llama(tiny_decoders, folder):
+    """The tiny Llama with its LM head tied to its input embeddings (Llama 3.2 1B's and Qwen2.5 0.5B's layout)."""
+    shutil.copytree(tiny_decoders["llama"], folder)
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(folder, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("case", ["minilm-new-head", "tied-llama", "qwen2-bf16-lora"])
+def test_an_empty_model_is_the_loaded_model_without_its_weights(case, tiny_decoders, tmp_path, monkeypatch):
+    """What a rank other than 0 builds under fsdp.yaml: the names, shapes and dtypes of rank 0's state dict (the
+    checkpoint's bf16 for a frozen LoRA base under mixed precision), its tied weights, and its buffers, which prepare()
+    keeps as they are."""
+    if case == "minilm-new-head":
+        auto_class, path, options = AutoModelForSequenceClassification, default_model_path(), {}
+    elif case == "tied-llama":
+        auto_class, path, options = AutoModelForCausalLM, tied_llama(tiny_decoders, tmp_path / "llama"), {}
+    else:
+        auto_class, path = AutoModelForSequenceClassification, tmp_path / "qwen2"
+        AutoModelForCausalLM.from_pretrained(tiny_decoders["qwen2"], dtype=torch.bfloat16).save_pretrained(path)
+        options = {"lora": True, "mixed_precision": "bf16"}
+
+    def load():
+        return load_model(auto_class, str(path), AutoConfig.from_pretrained(path, num_labels=2), **options)
+
+    loaded = load()
+    monkeypatch.setattr(src.model, "weights_come_from_rank_0", lambda: True)
+    empty = load()
+    assert all(parameter.device.type == "meta" for parameter in empty.parameters())
+    layout = {name: (tensor.shape, tensor.dtype) for name, tensor in loaded.state_dict().items()}
+    assert {name: (tensor.shape, tensor.dtype) for name, tensor in empty.state_dict().items()} == layout
+    loaded_buffers, empty_buffers = dict(loaded.named_buffers()), dict(empty.named_buffers())
+    assert loaded_buffers.keys() == empty_buffers.keys()
+    assert all(buffer.device.type == "cpu" for buffer in empty_buffers.values())
+    assert all(torch.equal(loaded_buffers[name], empty_buffers[name]) for name in loaded_buffers)
+    tied = [model.get_output_embeddings() is not None
+            and model.get_output_embeddings().weight is model.get_input_embeddings().weight
+            for model in (loaded, empty)]  # fmt: skip
+    assert tied == [case == "tied-llama"] * 2
+
+
+def test_the_fsdp_save_is_a_whole_model_that_from_pretrained_loads(minilm_runs):
     folder = minilm_runs["fsdp"]
     assert tensor_names(folder / "model.safetensors") == tensor_names(minilm_runs["ddp"] / "model.safetensors")
     model, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
@@ -110,13 +170,14 @@ def test_evaluation_under_fsdp_equals_one_rank_evaluation(minilm_runs, tmp_path)
 
 @pytest.mark.slow
 def test_evaluate_py_under_fsdp_writes_what_one_rank_writes(minilm_runs, tmp_path):
-    """evaluate.py with the shipped config: the model sharded as in training (accelerate 1.15 refuses FSDP2 through
-    prepare_model), every example counted once."""
+    """evaluate.py with the shipped config: the model read on rank 0 only and sharded as in training (accelerate 1.15
+    refuses FSDP2 through prepare_model), every example counted once."""
     argv = ["evaluate.py", "--model_name_or_path", str(minilm_runs["fsdp"]), "--validation_file",
             str(minilm_runs["data"][1]), "--mixed_precision", "no", "--per_device_eval_batch_size", "8"]  # fmt: skip
     run_in_process("evaluate", [*argv[1:], "--output_dir", str(tmp_path / "one")])
     result = launch("tests/fsdp_on_cpu.py", [*argv, "--output_dir", str(tmp_path / "fsdp")], config=FSDP_CONFIG)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert_only_rank_0_read_the_model(result.stdout + result.stderr)
     assert (tmp_path / "fsdp" / "predictions.csv").read_text() == (tmp_path / "one" / "predictions.csv").read_text()
     sharded, one_rank = (json.loads((tmp_path / n / "eval_results.json").read_text()) for n in ("fsdp", "one"))
     assert sharded.pop("eval_loss") == pytest.approx(one_rank.pop("eval_loss"), rel=1e-6)  # other batches' padding
@@ -126,7 +187,6 @@ def test_evaluate_py_under_fsdp_writes_what_one_rank_writes(minilm_runs, tmp_pat
 def test_fsdp_shards_the_largest_layer_list_unless_the_config_names_layers(tiny_decoders):
     from accelerate import PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from src.model import choose_fsdp_layers
 
@@ -179,13 +239,15 @@ def test_lora_under_fsdp_saves_the_adapter_only_and_evaluate_py_reproduces_it(ti
 def test_a_causal_lm_under_fsdp_trains_like_one_rank_of_the_whole_batch(tiny_decoders, tmp_path):
     """2 ranks x 4 rows against 1 rank x 8 rows: the same updates, summed in another order (WEIGHTS_ATOL: conftest).
     Completions of 1 to 19 words give the ranks different numbers of tokens, which each step's loss must count on
-    both ranks together."""
+    both ranks together. The Llama ties its LM head to its embeddings and has RoPE buffers, which rank 1, building
+    its model empty, must end with as rank 0 has them."""
     rows = [{"prompt": "the plot was", "completion": " ".join(["good"] * (1 + 7 * i % 19))} for i in range(32)]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    model = tiny_decoders["llama"]
+    model = tied_llama(tiny_decoders, tmp_path / "llama")
     log = launch_fsdp(train_args(model, data, data, tmp_path / "fsdp", "--per_device_train_batch_size", "4"))
     assert "FSDP shards each LlamaDecoderLayer (2 layers)" in log
+    assert_only_rank_0_read_the_model(log)
     run_in_process("train", train_args(model, data, data, tmp_path / "one", "--per_device_train_batch_size", "8"))
     worst = max_difference(load_file(tmp_path / "fsdp" / "model.safetensors"),
                            load_file(tmp_path / "one" / "model.safetensors"))  # fmt: skip

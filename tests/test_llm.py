@@ -471,3 +471,59 @@ def test_the_random_llm_builder_makes_what_train_py_reads(tmp_path, monkeypatch)
     assert len(rows) == 10 and all(len(row["sentence"].split()) >= 40 for row in rows)
     assert {row["label"] for row in rows} <= {"negative", "positive"}
     assert tokenizer.unk_token_id not in tokenizer(rows[0]["sentence"])["input_ids"], "the tokenizer knows every word"
+
+
+def gpu_check_commands(stage: str, gpus: int | None = None) -> str:
+    """What examples/llm_gpu_check.sh would run for `stage` with `gpus` GPUs, or as many as nvidia-smi lists (none
+    here): its DRY_RUN mode, bash only."""
+    import subprocess
+
+    from conftest import REPO
+
+    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "WORK": "/work-dir"} | ({"GPUS": str(gpus)} if gpus else {})
+    result = subprocess.run(["bash", "examples/llm_gpu_check.sh", stage], cwd=REPO, env=env, capture_output=True,
+                            text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return result.stdout + result.stderr
+
+
+def test_the_gpu_check_shards_fsdp_over_several_gpus_and_says_one_gpu_shards_nothing():
+    sharded, single = gpu_check_commands("fsdp-full", 2), gpu_check_commands("fsdp-full")
+    assert "accelerate_configs/fsdp.yaml --num_processes 2 train.py" in sharded and "sharded over 2 GPUs" in sharded
+    assert "--num_processes 1 train.py" in single and "shards nothing, a smoke test only" in single
+    checks = [line for line in gpu_check_commands("single").splitlines() if line.startswith("check: ")]
+    assert [line.split()[1] for line in checks] == ["batch", "resume", "evaluate", "evaluate"]
+
+
+def test_the_gpu_checks_fail_with_a_reason_when_a_number_is_off(tmp_path, capsys):
+    """examples/llm_gpu_check.py, which decides whether the GPU check passed, on made-up run folders."""
+    import importlib.util
+
+    from conftest import REPO
+    from safetensors.torch import save_file
+
+    spec = importlib.util.spec_from_file_location("llm_gpu_check", REPO / "examples" / "llm_gpu_check.py")
+    checks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checks)
+
+    def run_folder(name, weight, losses, eval_loss):
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file({"w": torch.full((3,), weight)}, folder / "adapter_model.safetensors")
+        (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in losses))
+        metrics = {"eval_loss": eval_loss, "eval_accuracy": 0.5, "eval_samples": 64}
+        (folder / "all_results.json").write_text(json.dumps(metrics))
+        (folder / "eval_results.json").write_text(json.dumps(metrics))
+        return str(folder)
+
+    run = run_folder("run", 0.1, [(5, 0.7), (15, 0.6)], 0.69)
+    assert checks.main(["resume", run, run_folder("resumed", 0.1, [(15, 0.6)], 0.69)]) == 0
+    assert checks.main(["resume", run, run_folder("lost-step", 0.1 + 2e-4, [(15, 0.6)], 0.69)]) == 1
+    assert "final weights differ from the uninterrupted run's by up to 0.0002" in capsys.readouterr().err
+    assert checks.main(["evaluate", run, run_folder("evaluated", 0.1, [], 0.6901)]) == 0
+    assert checks.main(["evaluate", run, run_folder("other-model", 0.1, [], 0.75)]) == 1
+    assert "evaluate.py gives loss 0.75" in capsys.readouterr().err
+    (tmp_path / "low.mem").write_text("100\n900\n")
+    (tmp_path / "high.mem").write_text("100\n950\n")
+    assert checks.main(["less-memory", str(tmp_path / "low.mem"), str(tmp_path / "high.mem")]) == 0
+    assert checks.main(["less-memory", str(tmp_path / "high.mem"), str(tmp_path / "low.mem")]) == 1
