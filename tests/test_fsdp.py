@@ -253,3 +253,17 @@ def test_a_causal_lm_under_fsdp_trains_like_one_rank_of_the_whole_batch(tiny_dec
                            load_file(tmp_path / "one" / "model.safetensors"))  # fmt: skip
     print(f"a causal LM under FSDP (2 x 4) and on 1 rank (1 x 8): weights differ by up to {worst:.1e}")
     assert worst < WEIGHTS_ATOL, f"weights differ by up to {worst}"
+
+
+@pytest.mark.slow
+def test_a_llama_layout_classifier_under_fsdp_trains_to_the_weights_ddp_reaches(tiny_decoders, tmp_path):
+    """A decoder classifier: a new score head (empty on rank 1 until prepare), pooled at each text's last token.
+    2 ranks add the same two gradients under FSDP as under DDP, so the weights are equal, not close."""
+    data = sentiment_files(tmp_path, 32, 16)
+    flags = ["--num_train_epochs", "1", "--per_device_train_batch_size", "4", "--max_grad_norm", "0"]
+    log = launch_fsdp(train_args(tiny_decoders["llama"], *data, tmp_path / "fsdp", *flags))
+    assert_only_rank_0_read_the_model(log)
+    ddp = launch("train.py", train_args(tiny_decoders["llama"], *data, tmp_path / "ddp", *flags))
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    weights = [load_file(tmp_path / name / "model.safetensors") for name in ("fsdp", "ddp")]
+    assert "score.weight" in weights[0] and max_difference(*weights) == 0.0
