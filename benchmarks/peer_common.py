@@ -27,7 +27,7 @@ def default_model_path() -> str:
 def build_peer_parser(description: str) -> argparse.ArgumentParser:
     """Flags named like train.py's, with its defaults, so the runner can pass the same values to every peer."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--train_file", type=Path, required=True, help="SST-2 style TSV: sentence<TAB>label.")
+    parser.add_argument("--train_file", type=Path, required=True, help="Training rows (classifiers: SST-2 TSV).")
     parser.add_argument("--validation_file", type=Path, required=True, help="Evaluated at the end of training.")
     parser.add_argument("--results", type=Path, required=True, help="JSON file the measurements are written to.")
     parser.add_argument("--output_dir", type=Path, help="Where the fine-tuned model is saved (not saved if absent).")
