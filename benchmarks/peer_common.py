@@ -83,6 +83,31 @@ class TokenCountingCollator:
         return {"train_samples": self.samples, "train_tokens": self.tokens, "train_padded_tokens": self.padded_tokens}
 
 
+def trainer_settings(args, output_dir: str) -> dict:
+    """The TrainingArguments (or SFTConfig) fields both Trainer peers set alike from the shared flags."""
+    import torch
+
+    return {
+        "output_dir": output_dir,
+        "num_train_epochs": args.num_train_epochs,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "per_device_eval_batch_size": args.per_device_eval_batch_size,
+        "learning_rate": args.learning_rate,
+        "weight_decay": args.weight_decay,
+        "lr_scheduler_type": "linear",
+        "warmup_steps": args.warmup_ratio,  # transformers 5: a float below 1 is a fraction of the total steps
+        "max_grad_norm": args.max_grad_norm,
+        "seed": args.seed,
+        "train_sampling_strategy": "group_by_length" if args.group_by_length else "random",
+        "bf16": args.bf16,
+        "use_cpu": not torch.cuda.is_available(),  # Trainer refuses bf16 on a machine without GPUs otherwise
+        "eval_strategy": "no",
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+    }
+
+
 def write_results(path: Path, values: dict):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(values, indent=2) + "\n")

@@ -13,7 +13,7 @@ import time
 
 import torch
 from datasets import load_dataset
-from peer_common import TokenCountingCollator, build_peer_parser, write_results
+from peer_common import TokenCountingCollator, build_peer_parser, trainer_settings, write_results
 from transformers import AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
@@ -47,27 +47,11 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     data = load_dataset("json", data_files={"train": str(args.train_file), "validation": str(args.validation_file)})
     config = SFTConfig(
-        output_dir=str(args.output_dir or args.results.parent / "trl_output"),
-        num_train_epochs=args.num_train_epochs,
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        per_device_eval_batch_size=args.per_device_eval_batch_size,
-        learning_rate=args.learning_rate,
-        weight_decay=args.weight_decay,
-        lr_scheduler_type="linear",
-        warmup_steps=args.warmup_ratio,  # transformers 5: a float below 1 is a fraction of the total steps
-        max_grad_norm=args.max_grad_norm,
-        seed=args.seed,
+        **trainer_settings(args, str(args.output_dir or args.results.parent / "trl_output")),
         max_length=args.max_length,
         packing=args.packing,
         eval_packing=False,  # train.py evaluates unpacked rows: per-example metrics, the same with or without packing
         gradient_checkpointing=False,  # SFTConfig's default is True; train.py's is off, and it costs ~20-30% here
-        bf16=args.bf16,
-        use_cpu=not torch.cuda.is_available(),  # Trainer refuses bf16 on a machine without GPUs otherwise
-        train_sampling_strategy="group_by_length" if args.group_by_length else "random",
-        eval_strategy="no",
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
     )
     trainer = SFTTrainer(
         model=args.model_name_or_path,

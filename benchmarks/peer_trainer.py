@@ -18,6 +18,7 @@ from peer_common import (
     build_peer_parser,
     default_model_path,
     load_tokenized,
+    trainer_settings,
     write_results,
 )
 from transformers import (
@@ -72,26 +73,10 @@ def main():
     model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=2)
 
     training_args = TrainingArguments(
-        output_dir=str(args.output_dir or args.results.parent / "trainer_output"),
-        num_train_epochs=args.num_train_epochs,
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        per_device_eval_batch_size=args.per_device_eval_batch_size,
-        learning_rate=args.learning_rate,
-        weight_decay=args.weight_decay,
-        lr_scheduler_type="linear",
-        warmup_steps=args.warmup_ratio,  # transformers 5: a float below 1 is a fraction of the total steps
-        max_grad_norm=args.max_grad_norm,
-        seed=args.seed,
-        train_sampling_strategy="group_by_length" if args.group_by_length else "random",
-        bf16=args.bf16,
-        use_cpu=not torch.cuda.is_available(),  # Trainer refuses bf16 on a machine without GPUs otherwise
+        **trainer_settings(args, str(args.output_dir or args.results.parent / "trainer_output")),
         torch_compile=args.torch_compile,
         optim=args.optim,
         max_steps=args.max_steps,
-        eval_strategy="no",
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
     )
     # One collator for training and evaluation (as Trainer does); its counts are read right after training.
     collator = TokenCountingCollator(DataCollatorWithPadding(tokenizer))
