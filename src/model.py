@@ -32,13 +32,14 @@ def default_model_path() -> str:
     return str(Path(spec.submodule_search_locations[0]) / "model")
 
 
-def _load(what, loader, name_or_path, **kwargs):
+def _load(what, loader, name_or_path, flag="--model_name_or_path", **kwargs):
+    """loader(name_or_path), with one-line errors that name the flag that gave it."""
     try:
         return loader(name_or_path, **kwargs)
     except (OSError, ValueError, RuntimeError) as err:  # RuntimeError: a head of another size, not ignored
         if "contains custom code" in str(err):  # transformers refused to run the repository's own code
             raise UserError(
-                f"--model_name_or_path {name_or_path} ships its own Python code; read it, then pass "
+                f"{flag} {name_or_path} ships its own Python code; read it, then pass "
                 "--trust_remote_code to run it, or choose a model that transformers implements"
             ) from err
         if "ignore_mismatched_sizes" in str(err):
@@ -47,21 +48,21 @@ def _load(what, loader, name_or_path, **kwargs):
                 "drop --no-ignore_mismatched_sizes to give it a new head"
             ) from err
         raise UserError(
-            f"--model_name_or_path {name_or_path}: cannot load a {what} ({' '.join(str(err).split())[:300]}); "
+            f"{flag} {name_or_path}: cannot load a {what} ({' '.join(str(err).split())[:300]}); "
             "give a local model folder or a Hub name (Hub names need network access)"
         ) from err
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, **options):
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, flag="--model_name_or_path", **options):
     """The tokenizer, ready for batches: padding on the right, and a padding token (its EOS token if it has none,
     as Llama's, Mistral's and GPT-2's have none) that is saved with it."""
     tokenizer = _load(
-        "tokenizer", AutoTokenizer.from_pretrained, name_or_path, trust_remote_code=trust_remote_code, **options
+        "tokenizer", AutoTokenizer.from_pretrained, name_or_path, flag, trust_remote_code=trust_remote_code, **options
     )
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise UserError(
-                f"--model_name_or_path {name_or_path}: the tokenizer has neither a padding nor an end-of-sequence "
+                f"{flag} {name_or_path}: the tokenizer has neither a padding nor an end-of-sequence "
                 "token; add a pad_token to its tokenizer_config.json"
             )
         # EOS needs no new embedding row. Decoder classifiers pool the rightmost token that is not padding, so a
@@ -110,13 +111,15 @@ def load_config(args, fields: dict, tokenizer, decoder: bool = False):
     if args.model_name_or_path:
         config = _load("model config", AutoConfig.from_pretrained, args.model_name_or_path, **trust, **fields)
     else:
-        config = (_load("model config", AutoConfig.from_pretrained, args.config_name, **trust) if args.config_name
+        config = (_load("model config", AutoConfig.from_pretrained, args.config_name, "--config_name", **trust)
+                  if args.config_name
                   else AutoConfig.for_model(args.model_type))  # fmt: skip
         if args.config_overrides:
             try:
                 config.update_from_string(args.config_overrides)
             except ValueError as err:
-                raise UserError(f"--config_overrides {args.config_overrides!r}: {err}") from err
+                raise UserError(f"--config_overrides {args.config_overrides!r}: {err}; give name=value pairs "
+                                "separated by commas, e.g. num_hidden_layers=2,hidden_size=128") from err  # fmt: skip
         # Its embeddings and special tokens are the tokenizer's, whatever tokenizer the config came with.
         special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         config.update({**fields, "vocab_size": len(tokenizer), **special})

@@ -301,3 +301,17 @@ def test_keep_linebreaks_in_both_spellings(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("keep_linebreaks: false\n")
     assert not parse_train_args(["--config", str(config)]).keep_linebreaks
+
+
+def test_a_new_models_config_and_tokenizer_errors_name_their_flags(tiny_decoders, tmp_path):
+    from src.model import load_config
+
+    tokenizer = load_tokenizer(str(tiny_decoders["llama"]))
+    new = dict(model_name_or_path=None, trust_remote_code=False, config_name=None, model_type="llama")
+    with pytest.raises(UserError, match=r"--config_overrides 'layers': .* give name=value pairs separated by commas"):
+        load_config(types.SimpleNamespace(**new, config_overrides="layers"), {}, tokenizer)
+    missing = str(tmp_path / "missing")
+    with pytest.raises(UserError, match=f"--config_name {missing}: cannot load a model config"):
+        load_config(types.SimpleNamespace(**(new | {"config_name": missing}), config_overrides=None), {}, tokenizer)
+    with pytest.raises(UserError, match=f"--tokenizer_name {missing}: cannot load a tokenizer"):
+        CausalLM(TEXT).load_tokenizer(missing, types.SimpleNamespace(**new))

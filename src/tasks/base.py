@@ -67,7 +67,10 @@ class Task:
     def load_tokenizer(self, name_or_path: str, args):
         from src.model import load_tokenizer
 
-        return load_tokenizer(name_or_path, trust_remote_code=args.trust_remote_code)
+        # train.py passes --tokenizer_name, which is --model_name_or_path unless given apart (or for a new model).
+        given_apart = name_or_path != getattr(args, "model_name_or_path", None)
+        flag = "--tokenizer_name" if given_apart else "--model_name_or_path"
+        return load_tokenizer(name_or_path, trust_remote_code=args.trust_remote_code, flag=flag)
 
     def config_fields(self) -> dict:
         """What the model's config must carry for this task (number of labels, their names)."""
