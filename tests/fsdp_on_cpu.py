@@ -104,6 +104,9 @@ if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     if os.environ.get("ACCELERATE_USE_FSDP") != "true":
         sys.exit("tests/fsdp_on_cpu.py runs FSDP only: launch it with --config_file accelerate_configs/fsdp.yaml")
+    # On a GPU machine too, the script must see the CPU-only machine this switch is for (before torch is imported):
+    # it would otherwise ask accelerate for GPUs in a state already started on gloo CPU ranks, and fail.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import src.runtime
 
     start_fsdp_state()
