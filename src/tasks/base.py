@@ -30,6 +30,8 @@ class Task:
     default_learning_rate = 5e-5  # --learning_rate when not given
     lower_is_better = ("loss",)  # metrics for which the best model has the lowest value
     top_level_metrics = ()  # evaluation metrics that all_results.json also holds without their eval_ prefix
+    # The model predicts each next token: an encoder checkpoint is switched to causal attention (src/model.py).
+    predicts_next_token = False
     # LoRA: peft's task type, and whether the head is new (trained in full and saved with the adapter) rather than
     # a pretrained one adapted through the backbone (a causal LM's).
     peft_task_type = ""
@@ -82,7 +84,7 @@ class Task:
 
         from src.model import load_config, load_model
 
-        config = load_config(args, self.config_fields(), tokenizer, decoder=self.auto_class == "AutoModelForCausalLM")
+        config = load_config(args, self.config_fields(), tokenizer, decoder=self.predicts_next_token)
         return load_model(
             getattr(transformers, self.auto_class), args.model_name_or_path, config, lora=args.use_peft,
             mixed_precision=mixed_precision, trust_remote_code=args.trust_remote_code,

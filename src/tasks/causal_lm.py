@@ -47,6 +47,7 @@ class CausalLM(Task):
     new_head = False  # the LM head is pretrained: adapted through the backbone, not retrained in full
     lower_is_better = ("loss", "perplexity")
     top_level_metrics = ("perplexity",)  # where run_clm_no_trainer.py writes it
+    predicts_next_token = True
     name = "causal-lm"
     main_metric = "loss"
     default_max_length = 1024  # most SFT rows are longer than a classifier's 128 tokens
