@@ -89,10 +89,12 @@ def main(args):
         if args.predict_with_generate and prompts is None:
             raise UserError(f"--predict_with_generate answers prompts, and a model for {task.describe()} has none to "
                             "answer: give a causal LM prompt/completion or chat rows, or drop the flag")  # fmt: skip
-        model = task.load_model(args.model_name_or_path, args, tokenizer, accelerator.mixed_precision)
-        # The training run's --max_length unless told otherwise: texts cut elsewhere get other predictions.
-        max_length = resolve_max_length(args.max_length or record.get("max_length"), tokenizer,
-                                        getattr(model, "config", None), default=task.default_max_length)  # fmt: skip
+    # Every rank at once, as in train.py: DeepSpeed ZeRO-3 partitions the weights in collectives as they are made.
+    model = task.load_model(args.model_name_or_path, args, tokenizer, accelerator.mixed_precision)
+    # The training run's --max_length unless told otherwise: texts cut elsewhere get other predictions.
+    max_length = resolve_max_length(args.max_length or record.get("max_length"), tokenizer,
+                                    getattr(model, "config", None), default=task.default_max_length)  # fmt: skip
+    with main_process_first(accelerator, args.data_preparation_timeout):
         dataset = task.features(data, tokenizer, max_length)
         if prompts is not None and len(prompts) != len(dataset):
             raise UserError(f"--predict_with_generate: {len(prompts) - len(dataset)} of {len(prompts)} rows are not "

@@ -134,7 +134,7 @@ def _add_timeout_arguments(group):
         "--data_preparation_timeout",
         type=_seconds,
         default=12 * 3600,
-        help="Seconds the other ranks wait for rank 0 to download and tokenise the data (and load the model) "
+        help="Seconds the other ranks wait for rank 0 to download and tokenise the data "
         "before they give up; separate from --ddp_timeout, so a large dataset does not kill the job.",
     )
 

@@ -190,7 +190,8 @@ def test_a_global_batch_gives_the_same_update_however_it_is_split(tiny_decoders,
     """Completions of very different lengths: 1 batch of 8, 2 accumulated batches of 4, and batches of 4 on 2 ranks
     (with gradient checkpointing and the batch-size probe, which must not change the update) give the same weights
     only when each batch's summed token loss is divided by the whole step's tokens on all ranks (not averaged per
-    batch or per rank)."""
+    batch or per rank). The 2 ranks build the model and step as under ZeRO-3 (tests/sharded_steps.py): every model
+    creation and forward pass is a collective of both, so none may happen on one rank alone."""
     from safetensors.torch import load_file
 
     rows = [{"prompt": "the plot was", "completion": " ".join(["good"] * (1 + 5 * (i % 4)))} for i in range(16)]
@@ -203,7 +204,7 @@ def test_a_global_batch_gives_the_same_update_however_it_is_split(tiny_decoders,
         batches = ["--per_device_train_batch_size", size, "--gradient_accumulation_steps", steps, *extra]
         argv = train_args(tiny_decoders["llama"], data, data, tmp_path / name, *batches)
         if name == "ranks":
-            result = launch("train.py", argv, num_processes=2)
+            result = launch("tests/sharded_steps.py", ["train.py", *argv, "--ddp_timeout", "60"], num_processes=2)
             assert result.returncode == 0, result.stderr[-3000:]
         else:
             run_in_process("train", argv)

@@ -86,7 +86,7 @@ def test_two_ranks_with_sharded_steps_write_what_one_process_writes(trained_lm, 
     both ranks as under FSDP: the run finishes only if a rank whose answers end sooner still steps with the other."""
     run_in_process("evaluate", evaluate_args(trained_lm, tmp_path / "one", "--per_device_eval_batch_size", "3"))
     two = evaluate_args(trained_lm, tmp_path / "two", "--per_device_eval_batch_size", "2", "--ddp_timeout", "30")
-    result = launch("tests/sharded_steps.py", two, timeout=180)
+    result = launch("tests/sharded_steps.py", ["evaluate.py", *two], timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert predictions(tmp_path / "two") == predictions(tmp_path / "one")
 
