@@ -209,7 +209,7 @@ def load_trained_model(
         return _without_kv_cache(adapter)
     fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     config = _load("model config", AutoConfig.from_pretrained, model_dir, trust_remote_code=trust_remote_code, **fields)
-    if weights_come_from_rank_0():  # rank 0 has checked the head below before this rank gets here
+    if weights_come_from_rank_0():  # rank 0 checks the head below; its error ends the launch
         return _without_kv_cache(_empty_model(auto_class, config, torch.float32, trust_remote_code))
     model, info = _load(
         "fine-tuned model", auto_class.from_pretrained, model_dir, config=config, dtype=torch.float32,
