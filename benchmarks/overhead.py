@@ -1,11 +1,11 @@
-"""Where train.py's time goes outside the training steps: imports, data, model, evaluation, saving, plotting.
+"""Where train.py's time goes outside its training steps: imports, data, model, evaluation, saving, plotting.
 
     python benchmarks/overhead.py                        # 6,000 SST-2 rows, as run_benchmark.py
     python benchmarks/overhead.py --rows 300 -- --mixed_precision no
 
-Runs train.py once, in a fresh process and as `python train.py` would, with timers around its named steps (the
-functions train.py calls, wrapped where train.py looks them up), and prints one table: seconds of wall time and
-of CPU time per phase.
+Runs train.py once, in a fresh process and exactly as `python train.py` runs it, while a sampling thread looks every
+few milliseconds at which of its named steps (the functions in PHASES) the main thread is in, and prints one table:
+seconds of wall time and of the process's CPU time per phase. Nothing in train.py is replaced or wrapped.
 "Training steps" is the loop without the evaluation and checkpoints inside it; everything else is overhead.
 Arguments after `--` go to train.py.
 """
@@ -17,120 +17,104 @@ STARTED_AT = time.time()  # before any other import: the child's start-up is mea
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import runpy  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 BENCHMARKS = Path(__file__).resolve().parent
 REPO = BENCHMARKS.parent
 sys.path.insert(0, str(BENCHMARKS))
 
-# Functions that train.py calls by these names (module globals of train.py, src.metrics or src.plots).
-TIMED = {
-    "train": [
-        "build_accelerator",
-        "load_raw_splits",
-        "load_data_and_model",
-        "build_dataloaders",
-        "start_or_resume",
-        "train_loop",
-        "evaluate",
-        "save_checkpoint",
-        "save_final",
-    ],
-    "src.metrics": ["load_metric"],
-    "src.plots": ["plot_training_curves"],
+# (the end of a function's file name, its name): the phase its time counts for. The innermost named function on the
+# stack wins, so the evaluation inside the training loop counts as evaluation. Before train.py's main() is called:
+# its imports; in main() outside any of these: other.
+PHASES = {
+    ("src/args.py", "parse_train_args"): "parsing the flags",
+    ("train.py", "build_accelerator"): "Accelerator, threads, precision",
+    ("src/data.py", "load_raw_splits"): "reading the data",
+    ("train.py", "load_data_and_model"): "loading the model, tokenising",
+    ("train.py", "build_dataloaders"): "dataloaders",
+    ("accelerate/accelerator.py", "prepare"): "accelerator.prepare",
+    ("train.py", "start_or_resume"): "args.json, trackers",
+    ("train.py", "train_loop"): "training steps",
+    ("src/evaluation.py", "evaluate"): "evaluation (forward passes, gathering)",
+    ("src/metrics.py", "load_metric"): "loading the metric modules (first evaluation)",
+    ("src/checkpoint.py", "save_checkpoint"): "checkpoints",
+    ("train.py", "save_final"): "saving the model and results",
+    ("src/plots.py", "plot_training_curves"): "plotting training_curves.png",
 }
+IMPORTS, OTHER = "imports of train.py", "other (optimizer, scheduler, logging)"
+STARTUP, EXIT = "Python start-up", "Python exit (after main() returned)"
 
 
-def timed(name, function, totals):
-    def wrapper(*args, **kwargs):
+def phase_of(stack: list[tuple[str, str]], in_main: bool) -> str:
+    """The phase of a stack of (file name, function name), innermost first; `in_main`: main() has been entered."""
+    for filename, function in stack:
+        for (suffix, name), phase in PHASES.items():
+            if function == name and filename.endswith(suffix):
+                return phase
+    return OTHER if in_main else IMPORTS
+
+
+class PhaseSampler(threading.Thread):
+    """A sampling profiler of train.py's named steps: every `interval` seconds, the wall and process CPU time since
+    the last look go to the phase the main thread is in now."""
+
+    def __init__(self, interval: float = 0.002):
+        super().__init__(daemon=True)
+        self.interval, self.main_thread = interval, threading.main_thread().ident
+        self.totals: dict[str, list[float]] = {}
+        self.in_main = False
+        self.finished = threading.Event()
+
+    def run(self):
         wall, cpu = time.perf_counter(), time.process_time()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            spent = totals.setdefault(name, [0.0, 0.0])
-            spent[0] += time.perf_counter() - wall
-            spent[1] += time.process_time() - cpu
+        while not self.finished.wait(self.interval):
+            frame, stack = sys._current_frames().get(self.main_thread), []
+            while frame is not None:
+                stack.append((frame.f_code.co_filename, frame.f_code.co_name))
+                frame = frame.f_back
+            self.in_main = self.in_main or any(f.endswith("train.py") and name == "main" for f, name in stack)
+            now_wall, now_cpu = time.perf_counter(), time.process_time()
+            spent = self.totals.setdefault(phase_of(stack, self.in_main), [0.0, 0.0])
+            spent[0] += now_wall - wall
+            spent[1] += now_cpu - cpu
+            wall, cpu = now_wall, now_cpu
 
-    return wrapper
+    def stop(self) -> dict[str, list[float]]:
+        self.finished.set()
+        self.join()
+        return self.totals
 
 
 def child(report: Path, argv: list[str]):
-    """Run train.py as `python train.py` would, with its steps wrapped in timers; write the totals to `report`.
-
-    train.py ends with `run_cli(main, ...)`: the stand-in installed here times the imports up to that call, wraps
-    the functions main() looks up in train.py's globals, and runs it.
-    """
-    import runpy
-
-    totals = {"started_at": STARTED_AT}
-    wall, cpu = time.perf_counter(), time.process_time()
-    sys.path.insert(0, str(REPO))
-    import src.errors  # part of train.py's imports, timed with them
-
-    def timed_run_cli(main, parse_args):
-        totals["imports"] = [time.perf_counter() - wall, time.process_time() - cpu]
-        from accelerate import Accelerator
-
-        import src.metrics
-        import src.plots
-
-        modules = {"train": main.__globals__, "src.metrics": vars(src.metrics), "src.plots": vars(src.plots)}
-        for module_name, names in TIMED.items():
-            for name in names:
-                modules[module_name][name] = timed(name, modules[module_name][name], totals)
-        Accelerator.prepare = timed("prepare", Accelerator.prepare, totals)
-        results = main(parse_args())
-        totals["end"] = [time.perf_counter() - wall, time.process_time() - cpu]
-        totals["ended_at"] = time.time()
-        report.write_text(json.dumps({"totals": totals, "results": results}, default=str))
-
-    src.errors.run_cli = timed_run_cli
+    """Run train.py as `python train.py` would, sampled; write the phases' totals and the clock times to `report`."""
+    sampler = PhaseSampler()
+    sampled_from = time.time()
+    sampler.start()
     sys.argv = [str(REPO / "train.py"), *argv]
-    runpy.run_path(str(REPO / "train.py"), run_name="__main__")
+    sys.path.insert(0, str(REPO))
+    try:
+        runpy.run_path(str(REPO / "train.py"), run_name="__main__")
+    finally:
+        totals = sampler.stop()
+        clock = {"started_at": STARTED_AT, "sampled_from": sampled_from, "ended_at": time.time()}
+        report.write_text(json.dumps({"totals": totals, **clock}))
 
 
-def phases(
-    totals: dict, process_wall: float, launched_at: float, exited_at: float, process_cpu: float | None = None
-) -> list[tuple[str, float, float]]:
-    """(phase, wall s, cpu s) rows that add up to the process's wall time."""
-
-    def get(name):
-        return totals.get(name, [0.0, 0.0])
-
-    def minus(a, *others):
-        return [a[0] - sum(o[0] for o in others), a[1] - sum(o[1] for o in others)]
-
-    evaluation = minus(get("evaluate"), get("load_metric"))
-    steps = minus(get("train_loop"), get("evaluate"), get("save_checkpoint"))
-    saving = minus(get("save_final"), get("plot_training_curves"))
-    data_and_model = minus(get("load_data_and_model"), get("load_raw_splits"))
-    named = {
-        "Python start-up": [totals["started_at"] - launched_at, 0.0],
-        "imports of train.py": get("imports"),
-        "Accelerator, threads, precision": get("build_accelerator"),
-        "reading the data": get("load_raw_splits"),
-        "loading the model, tokenising": data_and_model,
-        "dataloaders": get("build_dataloaders"),
-        "accelerator.prepare": get("prepare"),
-        "args.json, trackers": get("start_or_resume"),
-        "training steps": steps,
-        "evaluation (forward passes, gathering)": evaluation,
-        "loading the metric modules (first evaluation)": get("load_metric"),
-        "checkpoints": get("save_checkpoint"),
-        "saving the model and results": saving,
-        "plotting training_curves.png": get("plot_training_curves"),
-    }
-    accounted = [sum(v[i] for v in named.values()) for i in (0, 1)]
-    exit_wall = exited_at - totals["ended_at"]
-    exit_cpu = process_cpu - get("end")[1] if process_cpu is not None else 0.0  # the child's CPU after main()
-    named["other (optimizer, scheduler, logging)"] = [
-        process_wall - accounted[0] - exit_wall,
-        get("end")[1] - accounted[1],
-    ]
-    named["Python exit (after main() returned)"] = [exit_wall, exit_cpu]
-    return [(name, wall, cpu) for name, (wall, cpu) in named.items()]
+def phases(measured: dict, launched_at: float, exited_at: float, process_cpu: float) -> list[tuple[str, float, float]]:
+    """(phase, wall s, cpu s) rows, in the order train.py goes through them, that add up to the process's wall time:
+    the start-up before sampling began, the sampled phases, and the exit after it ended."""
+    totals = measured["totals"]
+    order = [IMPORTS, *PHASES.values(), OTHER]
+    sampled_cpu = sum(cpu for _, cpu in totals.values())
+    rows = [(STARTUP, measured["sampled_from"] - launched_at, 0.0)]
+    rows += [(name, *totals[name]) for name in order if name in totals]
+    # The CPU the process spent that no sample saw: Python's start-up and exit.
+    rows.append((EXIT, exited_at - measured["ended_at"], max(process_cpu - sampled_cpu, 0.0)))
+    return rows
 
 
 def main():
@@ -158,8 +142,7 @@ def main():
     launched_at, start, cpu = time.time(), time.perf_counter(), children_cpu_seconds()
     subprocess.run([sys.executable, __file__, "--child", str(report), "--", *argv], cwd=REPO, env=env, check=True)
     wall, exited_at, process_cpu = time.perf_counter() - start, time.time(), children_cpu_seconds() - cpu
-    measured = json.loads(report.read_text())
-    rows = phases(measured["totals"], wall, launched_at, exited_at, process_cpu)
+    rows = phases(json.loads(report.read_text()), launched_at, exited_at, process_cpu)
     steps = next(w for name, w, _ in rows if name == "training steps")
     evaluation = sum(w for name, w, _ in rows if name.startswith(("evaluation", "loading the metric")))
     print(f"\n### train.py outside its training steps ({args.rows:,} rows, {' '.join(train_args) or 'defaults'})\n")

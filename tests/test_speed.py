@@ -79,23 +79,23 @@ def test_benchmark_targets_report_met_and_missed():
     assert slower[0].startswith("- train.py wall / tuned Trainer wall = 0.86") and slower[0].endswith("MISSED")
 
 
-def test_overhead_phases_add_up_to_the_process_wall_time():
-    from overhead import phases
+def test_overhead_counts_each_sample_for_the_innermost_named_step_and_adds_up_to_the_wall_time():
+    from overhead import EXIT, IMPORTS, OTHER, STARTUP, phase_of, phases
 
-    totals = {"imports": [3.0, 3.0], "end": [60.0, 100.0], "train_loop": [50.0, 95.0], "evaluate": [2.0, 3.0],
-              "load_metric": [0.5, 0.5], "save_final": [1.0, 1.0], "plot_training_curves": [0.4, 0.4],
-              "load_raw_splits": [0.5, 0.5], "load_data_and_model": [1.5, 1.5], "build_dataloaders": [0.2, 0.2],
-              "started_at": 100.1, "ended_at": 160.3}  # fmt: skip
-    rows = dict((name, wall) for name, wall, _ in phases(totals, 60.5, launched_at=100.0, exited_at=160.5))
-    assert rows["Python start-up"] == pytest.approx(0.1)
-    assert rows["Python exit (after main() returned)"] == pytest.approx(0.2)
-    assert rows["training steps"] == pytest.approx(48.0)
-    assert rows["evaluation (forward passes, gathering)"] == pytest.approx(1.5)
-    assert rows["saving the model and results"] == pytest.approx(0.6)
-    assert rows["reading the data"] == pytest.approx(0.5)
-    assert rows["loading the model, tokenising"] == pytest.approx(1.0)  # load_data_and_model less the reading
-    assert rows["dataloaders"] == pytest.approx(0.2)
-    assert sum(rows.values()) == pytest.approx(60.5)
+    main = ("/repo/train.py", "main")
+    loop = [("/repo/train.py", "train_loop"), main, ("/repo/src/errors.py", "run_cli")]
+    assert phase_of([("/venv/transformers/__init__.py", "<module>"), ("/repo/train.py", "<module>")], False) == IMPORTS
+    assert phase_of([("/venv/torch/nn/modules/module.py", "_call_impl"), *loop], True) == "training steps"
+    evaluation = [("/venv/torch/nn/modules/module.py", "_call_impl"), ("/repo/src/evaluation.py", "evaluate"), *loop]
+    assert phase_of(evaluation, True) == "evaluation (forward passes, gathering)"
+    assert phase_of([("/repo/src/metrics.py", "load_metric"), *evaluation], True).startswith("loading the metric")
+    assert phase_of([("/repo/train.py", "log"), main], True) == OTHER
+    measured = {"totals": {IMPORTS: [3.0, 3.0], "training steps": [50.0, 95.0], OTHER: [7.2, 7.0]},
+                "sampled_from": 100.1, "ended_at": 160.3}  # fmt: skip
+    rows = {name: (wall, cpu) for name, wall, cpu in phases(measured, 100.0, 160.5, process_cpu=105.5)}
+    assert list(rows) == [STARTUP, IMPORTS, "training steps", OTHER, EXIT]
+    assert rows[STARTUP][0] == pytest.approx(0.1) and rows[EXIT] == pytest.approx((0.2, 0.5))
+    assert sum(wall for wall, _ in rows.values()) == pytest.approx(60.5)
 
 
 @pytest.mark.slow
