@@ -12,6 +12,7 @@ from transformers import AutoConfig
 from transformers.pytorch_utils import Conv1D
 
 from src.errors import UserError
+from src.model import empty_on_this_rank
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's file: the folder holds a LoRA adapter and head, not a whole model
 CHECKPOINT_WEIGHTS = "model.safetensors"  # what accelerate's save_state calls the model's weights
@@ -111,15 +112,17 @@ def load_adapter_folder(auto_class, folder, dtype, pad_token_id=None, trust_remo
         raise UserError(f"{folder} holds a LoRA adapter without a trained head: evaluate a train.py output")
     fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code, **fields)
+    base = empty_on_this_rank(auto_class, config, dtype, trust_remote_code)  # under FSDP: rank 0's comes
     try:
-        base = auto_class.from_pretrained(
-            adapter.base_model_name_or_path,
-            config=config,
-            dtype=dtype,
-            # The base's own head may have another number of labels; the folder's trained head replaces it.
-            ignore_mismatched_sizes=True,
-            trust_remote_code=trust_remote_code,
-        )
+        if base is None:
+            base = auto_class.from_pretrained(
+                adapter.base_model_name_or_path,
+                config=config,
+                dtype=dtype,
+                # The base's own head may have another number of labels; the folder's trained head replaces it.
+                ignore_mismatched_sizes=True,
+                trust_remote_code=trust_remote_code,
+            )
     except (OSError, ValueError, RuntimeError) as err:
         raise UserError(
             f"{folder} is a LoRA adapter on {adapter.base_model_name_or_path}, which cannot be loaded "

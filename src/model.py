@@ -140,11 +140,9 @@ def load_model(
     under LoRA adapters (see `weights_dtype`). On a rank that prepare() gives rank 0's weights
     (`weights_come_from_rank_0`), the parameters are left empty, on the meta device, and nothing is read."""
     dtype = weights_dtype(lora, mixed_precision) if name_or_path else torch.float32
-    # "auto" is the checkpoint's dtype: the config's; if it names none, from_pretrained reads the weights' and so
-    # does every rank (an empty model of another dtype would not take rank 0's broadcast).
-    known_dtype = config.dtype if dtype == "auto" else dtype
-    if known_dtype is not None and weights_come_from_rank_0():
-        return _without_kv_cache(_empty_model(auto_class, config, known_dtype, trust_remote_code))
+    empty = empty_on_this_rank(auto_class, config, dtype, trust_remote_code)
+    if empty is not None:
+        return _without_kv_cache(empty)
     if name_or_path is None:
         return _without_kv_cache(_from_config(auto_class, config, dtype, trust_remote_code))
     return _without_kv_cache(
@@ -167,6 +165,17 @@ def _from_config(auto_class, config, dtype, trust_remote_code):
     except ValueError as err:  # no such head for this architecture
         raise UserError(f"cannot build a {auto_class.__name__[9:]} from a {config.model_type} config: "
                         f"{' '.join(str(err).split())[:200]}") from err  # fmt: skip
+
+
+def empty_on_this_rank(auto_class, config, dtype, trust_remote_code):
+    """On a rank that prepare() gives rank 0's weights (`weights_come_from_rank_0`), the model without them; else
+    None: the caller reads the checkpoint. "auto" is the checkpoint's dtype: the config's; if it names none,
+    from_pretrained reads the weights' and so does every rank (an empty model of another dtype would not take rank
+    0's broadcast)."""
+    known_dtype = config.dtype if dtype == "auto" else dtype
+    if known_dtype is None or not weights_come_from_rank_0():
+        return None
+    return _empty_model(auto_class, config, known_dtype, trust_remote_code)
 
 
 def _empty_model(auto_class, config, dtype, trust_remote_code):
@@ -199,8 +208,8 @@ def load_trained_model(
 ):
     """A fine-tuned model for evaluation: a whole model, or a LoRA output folder (its adapter and head on the base
     model it names, in the dtypes training used). `new_head`: the task trained a head of its own (see add_lora).
-    A whole model is left empty on a rank that prepare() gives rank 0's weights (`weights_come_from_rank_0`); a LoRA
-    folder's base model is read on every rank."""
+    On a rank that prepare() gives rank 0's weights (`weights_come_from_rank_0`) the model, or a LoRA folder's base
+    model, is left empty."""
     from src.lora import is_adapter_folder, load_adapter_folder
 
     if is_adapter_folder(model_dir):
@@ -209,8 +218,9 @@ def load_trained_model(
         return _without_kv_cache(adapter)
     fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     config = _load("model config", AutoConfig.from_pretrained, model_dir, trust_remote_code=trust_remote_code, **fields)
-    if weights_come_from_rank_0():  # rank 0 checks the head below; its error ends the launch
-        return _without_kv_cache(_empty_model(auto_class, config, torch.float32, trust_remote_code))
+    empty = empty_on_this_rank(auto_class, config, torch.float32, trust_remote_code)
+    if empty is not None:  # rank 0 checks the head below; its error ends the launch
+        return _without_kv_cache(empty)
     model, info = _load(
         "fine-tuned model", auto_class.from_pretrained, model_dir, config=config, dtype=torch.float32,
         trust_remote_code=trust_remote_code, output_loading_info=True,

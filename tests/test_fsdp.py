@@ -233,6 +233,14 @@ def test_lora_under_fsdp_saves_the_adapter_only_and_evaluate_py_reproduces_it(ti
     again, trained = eval_metrics(run_in_process("evaluate", argv)), eval_metrics(results(out))
     assert again.pop("eval_loss") == pytest.approx(trained.pop("eval_loss"), rel=1e-6)  # other batches' padding
     assert again == trained
+    # evaluate.py under FSDP: rank 1 builds the base model empty (an 8B base would be read by every rank) and gets
+    # rank 0's weights, adapter included, in prepare.
+    argv[-3] = str(tmp_path / "sharded")
+    result = launch("tests/fsdp_on_cpu.py", ["evaluate.py", *argv], config=FSDP_CONFIG)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert_only_rank_0_read_the_model(result.stdout + result.stderr)
+    sharded = json.loads((tmp_path / "sharded" / "eval_results.json").read_text())
+    assert sharded == json.loads((tmp_path / "eval" / "eval_results.json").read_text())
 
 
 @pytest.mark.slow
