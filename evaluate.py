@@ -21,7 +21,7 @@ from datasets import Dataset
 
 from src.args import Flags, build_eval_parser, parse_args
 from src.data import load_file, load_hub_dataset, pick_split
-from src.errors import UserError, main_process_first, run_cli
+from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli
 from src.evaluation import evaluate
 from src.generation import generate
 from src.glue import glue_labels
@@ -89,11 +89,11 @@ def main(args):
         if args.predict_with_generate and prompts is None:
             raise UserError(f"--predict_with_generate answers prompts, and a model for {task.describe()} has none to "
                             "answer: give a causal LM prompt/completion or chat rows, or drop the flag")  # fmt: skip
-    # Every rank at once, as in train.py: DeepSpeed ZeRO-3 partitions the weights in collectives as they are made.
-    model = task.load_model(args.model_name_or_path, args, tokenizer, accelerator.mixed_precision)
-    # The training run's --max_length unless told otherwise: texts cut elsewhere get other predictions.
-    max_length = resolve_max_length(args.max_length or record.get("max_length"), tokenizer,
-                                    getattr(model, "config", None), default=task.default_max_length)  # fmt: skip
+    with errors_reach_every_rank(accelerator):  # every rank at once, as in train.py
+        model = task.load_model(args.model_name_or_path, args, tokenizer, accelerator.mixed_precision)
+        # The training run's --max_length unless told otherwise: texts cut elsewhere get other predictions.
+        max_length = resolve_max_length(args.max_length or record.get("max_length"), tokenizer,
+                                        getattr(model, "config", None), default=task.default_max_length)  # fmt: skip
     with main_process_first(accelerator, args.data_preparation_timeout):
         dataset = task.features(data, tokenizer, max_length)
         if prompts is not None and len(prompts) != len(dataset):

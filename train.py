@@ -35,7 +35,7 @@ from src.checkpoint import (
     save_checkpoint,
 )
 from src.data import load_raw_splits
-from src.errors import UserError, main_process_first, run_cli
+from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli
 from src.evaluation import evaluate, evaluate_more
 from src.hub import check_hub_access, push_to_hub
 from src.loaders import build_eval_dataloader, build_train_dataloader, padding_options
@@ -85,8 +85,8 @@ def load_data_and_model(args, accelerator):
     """The task (from the training data), tokenizer, tokenized splits, the model to train and the text length.
 
     Rank 0 reads and tokenizes the data first, filling the caches (and downloading); the other ranks then read them.
-    The model is built by every rank at once: under DeepSpeed ZeRO-3 (`zero3_init_flag`) its weights are
-    partitioned as they are created, in collectives of all ranks (the Hub's file locks let ranks download together).
+    The model is built by every rank at once, as DeepSpeed ZeRO-3's `zero3_init_flag` needs (it partitions the weights
+    in collectives of all ranks as they are created); the Hub's file locks let the ranks download it together.
     """
     with main_process_first(accelerator, args.data_preparation_timeout):
         raw = load_raw_splits(args)
@@ -98,11 +98,12 @@ def load_data_and_model(args, accelerator):
             cls = task_class(args.task)
         task = cls.from_data(args, train)
         tokenizer = task.load_tokenizer(args.tokenizer_name, args)
-    model = task.build_model(args, tokenizer, accelerator.mixed_precision)
-    model = prepare_for_training(model, args, accelerator, task)  # gradient checkpointing and LoRA, if asked
-    max_length = resolve_max_length(
-        args.max_length, tokenizer, getattr(model, "config", None), default=task.default_max_length
-    )
+    with errors_reach_every_rank(accelerator):
+        model = task.build_model(args, tokenizer, accelerator.mixed_precision)
+        model = prepare_for_training(model, args, accelerator, task)  # gradient checkpointing and LoRA, if asked
+        max_length = resolve_max_length(
+            args.max_length, tokenizer, getattr(model, "config", None), default=task.default_max_length
+        )
     with main_process_first(accelerator, args.data_preparation_timeout):
         # 'train', 'validation' and any further validation split (MNLI's 'validation_mismatched').
         splits = {name: task.features(split, tokenizer, max_length, args.preprocessing_num_workers)

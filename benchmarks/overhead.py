@@ -10,18 +10,15 @@ seconds of wall time and of the process's CPU time per phase. Nothing in train.p
 Arguments after `--` go to train.py.
 """
 
+import argparse
+import json
+import os
+import runpy
+import subprocess
+import sys
+import threading
 import time
-
-STARTED_AT = time.time()  # before any other import: the child's start-up is measured from its parent's clock
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import runpy  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parent
 REPO = BENCHMARKS.parent
@@ -92,7 +89,7 @@ class PhaseSampler(threading.Thread):
 def child(report: Path, argv: list[str]):
     """Run train.py as `python train.py` would, sampled; write the phases' totals and the clock times to `report`."""
     sampler = PhaseSampler()
-    sampled_from = time.time()
+    sampled_from, cpu_before = time.time(), time.process_time()  # Python's start-up: this process until here
     sampler.start()
     sys.argv = [str(REPO / "train.py"), *argv]
     sys.path.insert(0, str(REPO))
@@ -100,7 +97,7 @@ def child(report: Path, argv: list[str]):
         runpy.run_path(str(REPO / "train.py"), run_name="__main__")
     finally:
         totals = sampler.stop()
-        clock = {"started_at": STARTED_AT, "sampled_from": sampled_from, "ended_at": time.time()}
+        clock = {"sampled_from": sampled_from, "startup_cpu": cpu_before, "ended_at": time.time()}
         report.write_text(json.dumps({"totals": totals, **clock}))
 
 
@@ -110,10 +107,11 @@ def phases(measured: dict, launched_at: float, exited_at: float, process_cpu: fl
     totals = measured["totals"]
     order = [IMPORTS, *PHASES.values(), OTHER]
     sampled_cpu = sum(cpu for _, cpu in totals.values())
-    rows = [(STARTUP, measured["sampled_from"] - launched_at, 0.0)]
+    rows = [(STARTUP, measured["sampled_from"] - launched_at, measured["startup_cpu"])]
     rows += [(name, *totals[name]) for name in order if name in totals]
-    # The CPU the process spent that no sample saw: Python's start-up and exit.
-    rows.append((EXIT, exited_at - measured["ended_at"], max(process_cpu - sampled_cpu, 0.0)))
+    # The CPU the process spent that no sample saw after its start-up: Python's exit.
+    exit_cpu = max(process_cpu - measured["startup_cpu"] - sampled_cpu, 0.0)
+    rows.append((EXIT, exited_at - measured["ended_at"], exit_cpu))
     return rows
 
 

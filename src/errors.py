@@ -47,6 +47,24 @@ def main_process_first(accelerator, timeout: float | None = None):
         yield
 
 
+@contextmanager
+def errors_reach_every_rank(accelerator):
+    """For work that every rank does at once but whose mistakes some ranks may meet alone (under FSDP rank 0 alone
+    reads a model's weights): a UserError on any rank is raised on every rank, with the first such rank's message,
+    instead of leaving the others waiting for it in the next collective."""
+    message = None
+    try:
+        yield
+    except UserError as err:
+        message = str(err)
+    if accelerator.num_processes > 1:
+        messages = [None] * accelerator.num_processes
+        dist.all_gather_object(messages, message)
+        message = next((found for found in messages if found is not None), None)
+    if message is not None:
+        raise UserError(message)
+
+
 def run_cli(main, parse_args):
     """Run `main(parse_args())`; a UserError becomes one line on stderr and exit status 2.
 

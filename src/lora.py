@@ -112,9 +112,12 @@ def load_adapter_folder(auto_class, folder, dtype, pad_token_id=None, trust_remo
         raise UserError(f"{folder} holds a LoRA adapter without a trained head: evaluate a train.py output")
     fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code, **fields)
-    base = empty_on_this_rank(auto_class, config, dtype, trust_remote_code)  # under FSDP: rank 0's comes
+    # Under FSDP with fsdp_cpu_ram_efficient_loading, ranks other than 0 build the base empty: prepare() gives them
+    # rank 0's weights, adapter included.
+    base = empty_on_this_rank(auto_class, config, dtype, trust_remote_code)
+    empty = base is not None
     try:
-        if base is None:
+        if not empty:
             base = auto_class.from_pretrained(
                 adapter.base_model_name_or_path,
                 config=config,
@@ -130,7 +133,9 @@ def load_adapter_folder(auto_class, folder, dtype, pad_token_id=None, trust_remo
             f"base_model_name_or_path in {Path(folder) / ADAPTER_CONFIG} to where it is now"
         ) from err
     _head_to_fp32(base, head_modules(base) if new_head else [])  # as in training: the saved fp32 head stays exact
-    with _peft_reading_deprecated_attributes():
+    with _peft_reading_deprecated_attributes(), warnings.catch_warnings():
+        if empty:  # peft puts the adapter on the meta device too, where torch warns of each weight it cannot copy
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter", category=UserWarning)
         return PeftModel.from_pretrained(base, folder)
 
 

@@ -42,9 +42,10 @@ def use_sharded_parameters(optimizer, model, accelerator):
 
 
 def count_parameters(model) -> tuple[int, int]:
-    """(trainable, total) parameters; a LoRA model's total includes its adapters."""
-    parameters = list(model.parameters())
-    return sum(p.numel() for p in parameters if p.requires_grad), sum(p.numel() for p in parameters)
+    """(trainable, total) parameters; a LoRA model's total includes its adapters. DeepSpeed ZeRO-3 (zero3_init_flag)
+    leaves each parameter empty on the ranks and records its size as `ds_numel`."""
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    return sum(size for size, trainable in sizes if trainable), sum(size for size, _ in sizes)
 
 
 def build_scheduler(optimizer, args, max_train_steps: int):

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 def with_every_rank(method):
     def joined(self, *args, **kwargs):
-        # On the CPU: transformers creates a model's parameters under a meta-device context (an empty collective).
+        # A CPU tensor: transformers creates models under a meta-device context, where an all_reduce does nothing.
         dist.all_reduce(torch.ones(1, device="cpu"))
         return method(self, *args, **kwargs)
 

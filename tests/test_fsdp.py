@@ -228,19 +228,26 @@ def test_lora_under_fsdp_saves_the_adapter_only_and_evaluate_py_reproduces_it(ti
     assert not (out / "model.safetensors").exists()
     adapter = tensor_names(out / "adapter_model.safetensors")
     assert adapter and all(".lora_" in name or ".classifier." in name for name in adapter), sorted(adapter)
-    argv = ["--model_name_or_path", str(out), "--validation_file", str(data[1]), "--output_dir", str(tmp_path / "eval"),
-            "--mixed_precision", "no"]  # fmt: skip
-    again, trained = eval_metrics(run_in_process("evaluate", argv)), eval_metrics(results(out))
+
+    def evaluate_args(output_dir):
+        return ["--model_name_or_path", str(out), "--validation_file", str(data[1]), "--output_dir", str(output_dir),
+                "--mixed_precision", "no"]  # fmt: skip
+
+    again = eval_metrics(run_in_process("evaluate", evaluate_args(tmp_path / "eval")))
+    trained = eval_metrics(results(out))
     assert again.pop("eval_loss") == pytest.approx(trained.pop("eval_loss"), rel=1e-6)  # other batches' padding
     assert again == trained
     # evaluate.py under FSDP: rank 1 builds the base model empty (an 8B base would be read by every rank) and gets
     # rank 0's weights, adapter included, in prepare.
-    argv[-3] = str(tmp_path / "sharded")
-    result = launch("tests/fsdp_on_cpu.py", ["evaluate.py", *argv], config=FSDP_CONFIG)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    assert_only_rank_0_read_the_model(result.stdout + result.stderr)
+    result = launch("tests/fsdp_on_cpu.py", ["evaluate.py", *evaluate_args(tmp_path / "sharded")], config=FSDP_CONFIG)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-3000:]
+    assert_only_rank_0_read_the_model(log)
+    assert "copying from a non-meta parameter" not in log, "a warning for each adapter weight rank 1 does not read"
     sharded = json.loads((tmp_path / "sharded" / "eval_results.json").read_text())
-    assert sharded == json.loads((tmp_path / "eval" / "eval_results.json").read_text())
+    one_rank = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
+    assert sharded.pop("eval_loss") == pytest.approx(one_rank.pop("eval_loss"), rel=1e-6)
+    assert sharded == one_rank
 
 
 @pytest.mark.slow
@@ -275,3 +282,36 @@ def test_a_llama_layout_classifier_under_fsdp_trains_to_the_weights_ddp_reaches(
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     weights = [load_file(tmp_path / name / "model.safetensors") for name in ("fsdp", "ddp")]
     assert "score.weight" in weights[0] and max_difference(*weights) == 0.0
+
+
+def test_a_mistake_only_rank_0_can_see_in_the_weights_stops_every_rank_with_its_message(tiny_model, tmp_path):
+    """Under fsdp.yaml rank 0 alone reads the checkpoint: a head for 3 labels, refused for 2-label data by
+    --no-ignore_mismatched_sizes, is found there only, and rank 1 (which built its model empty) must stop with the
+    same one-line error instead of waiting for rank 0 in the next collective."""
+    three = tmp_path / "three-labels"
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=3, ignore_mismatched_sizes=True)
+    model.save_pretrained(three)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model / name, three / name)
+    data = sentiment_files(tmp_path, 16, 8)
+    args = train_args(three, *data, tmp_path / "out", "--no-ignore_mismatched_sizes")
+    result = launch("tests/fsdp_on_cpu.py", ["train.py", *args], config=FSDP_CONFIG, timeout=120)
+    assert result.returncode != 0
+    # Both ranks print at once into the launcher's one stream, where their lines may interleave.
+    assert "[rank 0] error:" in result.stderr and "[rank 1] error:" in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("has a classification head for another number of labels") == 2
+
+
+def test_a_rank_that_gets_rank_0s_weights_builds_them_empty_in_the_dtype_rank_0_reads(tiny_decoders, monkeypatch):
+    """dtype "auto" (a frozen LoRA base under mixed precision) is the config's; a config that names none leaves the
+    dtype to the weights, which only reading them tells: then this rank reads them too (None)."""
+    config = AutoConfig.from_pretrained(tiny_decoders["llama"])
+    monkeypatch.setattr(src.model, "weights_come_from_rank_0", lambda: True)
+    config.dtype = torch.bfloat16
+    empty = src.model.empty_on_this_rank(AutoModelForCausalLM, config, "auto", False)
+    assert {(p.device.type, p.dtype) for p in empty.parameters()} == {("meta", torch.bfloat16)}
+    assert src.model.empty_on_this_rank(AutoModelForCausalLM, config, torch.float32, False).dtype == torch.float32
+    config.dtype = None
+    assert src.model.empty_on_this_rank(AutoModelForCausalLM, config, "auto", False) is None
+    monkeypatch.setattr(src.model, "weights_come_from_rank_0", lambda: False)
+    assert src.model.empty_on_this_rank(AutoModelForCausalLM, config, torch.float32, False) is None

@@ -91,10 +91,10 @@ def test_overhead_counts_each_sample_for_the_innermost_named_step_and_adds_up_to
     assert phase_of([("/repo/src/metrics.py", "load_metric"), *evaluation], True).startswith("loading the metric")
     assert phase_of([("/repo/train.py", "log"), main], True) == OTHER
     measured = {"totals": {IMPORTS: [3.0, 3.0], "training steps": [50.0, 95.0], OTHER: [7.2, 7.0]},
-                "sampled_from": 100.1, "ended_at": 160.3}  # fmt: skip
+                "sampled_from": 100.1, "startup_cpu": 0.05, "ended_at": 160.3}  # fmt: skip
     rows = {name: (wall, cpu) for name, wall, cpu in phases(measured, 100.0, 160.5, process_cpu=105.5)}
     assert list(rows) == [STARTUP, IMPORTS, "training steps", OTHER, EXIT]
-    assert rows[STARTUP][0] == pytest.approx(0.1) and rows[EXIT] == pytest.approx((0.2, 0.5))
+    assert rows[STARTUP] == pytest.approx((0.1, 0.05)) and rows[EXIT] == pytest.approx((0.2, 0.45))
     assert sum(wall for wall, _ in rows.values()) == pytest.approx(60.5)
 
 
