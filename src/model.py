@@ -145,18 +145,19 @@ def load_model(
         return _without_kv_cache(empty)
     if name_or_path is None:
         return _without_kv_cache(_from_config(auto_class, config, dtype, trust_remote_code))
-    return _without_kv_cache(
-        _load(
-            "model",
-            auto_class.from_pretrained,
-            # A local folder by its absolute path: a LoRA adapter records it as its base model.
-            str(Path(name_or_path).resolve()) if Path(name_or_path).is_dir() else name_or_path,
-            config=config,
-            dtype=dtype,
-            ignore_mismatched_sizes=ignore_mismatched_sizes,
-            trust_remote_code=trust_remote_code,
-        )
+    model = _load(
+        "model",
+        auto_class.from_pretrained,
+        # A local folder by its absolute path: a LoRA adapter records it as its base model.
+        str(Path(name_or_path).resolve()) if Path(name_or_path).is_dir() else name_or_path,
+        config=config,
+        dtype=dtype,
+        ignore_mismatched_sizes=ignore_mismatched_sizes,
+        trust_remote_code=trust_remote_code,
     )
+    if rank_0_reads_for_every_rank():
+        _check_tied_as_configured(model, name_or_path)
+    return _without_kv_cache(model)
 
 
 def _from_config(auto_class, config, dtype, trust_remote_code):
@@ -188,19 +189,36 @@ def _empty_model(auto_class, config, dtype, trust_remote_code):
     return model
 
 
-def weights_come_from_rank_0() -> bool:
-    """Whether prepare() replaces this process's weights with rank 0's before any use, so that it need not read the
-    checkpoint: under FSDP2 with fsdp_cpu_ram_efficient_loading, accelerate moves every rank's model to the meta
-    device and broadcasts rank 0's full state dict into the other ranks' shards (fsdp2_prepare_model). transformers
-    still reads the whole checkpoint on every rank (it leaves only the keys the checkpoint lacks empty): one fp32 copy
-    of the model per process, 32 GB for an 8B model. These are the variables accelerate's FSDP plugin is built from;
-    FSDP1 syncs the module states its own way, untested here."""
+def rank_0_reads_for_every_rank() -> bool:
+    """FSDP2 with fsdp_cpu_ram_efficient_loading: accelerate moves every rank's model to the meta device and broadcasts
+    rank 0's full state dict into the other ranks' shards (fsdp2_prepare_model). These are the variables accelerate's
+    FSDP plugin is built from; FSDP1 syncs the module states its own way, untested here."""
     return (
         parse_flag_from_env("ACCELERATE_USE_FSDP")
         and os.environ.get("FSDP_VERSION") == "2"
         and parse_flag_from_env("FSDP_CPU_RAM_EFFICIENT_LOADING")
-        and PartialState().process_index != 0
     )
+
+
+def weights_come_from_rank_0() -> bool:
+    """Whether prepare() replaces this process's weights with rank 0's before any use, so that it need not read the
+    checkpoint. transformers would still read the whole checkpoint on every rank (it leaves only the keys the
+    checkpoint lacks empty): one fp32 copy of the model per process, 32 GB for an 8B model."""
+    return rank_0_reads_for_every_rank() and PartialState().process_index != 0
+
+
+def _check_tied_as_configured(model, name_or_path):
+    """The other ranks build the model from its config, which may tie the LM head to the input embeddings; rank 0's
+    from_pretrained keeps them apart when the checkpoint stores a head that differs: the ranks would then hold
+    different parameters."""
+    output = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
+    tied_by_config = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    if output is not None and tied_by_config and output.weight is not model.get_input_embeddings().weight:
+        raise UserError(
+            f"{name_or_path}: its config ties the LM head to the input embeddings (tie_word_embeddings), but its "
+            "weights hold a different head, which transformers keeps apart and the other ranks under FSDP would tie: "
+            'set "tie_word_embeddings": false in its config.json'
+        )
 
 
 def load_trained_model(
@@ -219,7 +237,7 @@ def load_trained_model(
     fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     config = _load("model config", AutoConfig.from_pretrained, model_dir, trust_remote_code=trust_remote_code, **fields)
     empty = empty_on_this_rank(auto_class, config, torch.float32, trust_remote_code)
-    if empty is not None:  # rank 0 checks the head below; its error ends the launch
+    if empty is not None:  # rank 0 checks the head below; evaluate.py raises its error on every rank
         return _without_kv_cache(empty)
     model, info = _load(
         "fine-tuned model", auto_class.from_pretrained, model_dir, config=config, dtype=torch.float32,
@@ -228,6 +246,8 @@ def load_trained_model(
     if info["missing_keys"]:
         missing = ", ".join(sorted(info["missing_keys"])[:3])
         raise UserError(f"{model_dir} has no fine-tuned head (missing {missing}): evaluate a train.py output folder")
+    if rank_0_reads_for_every_rank():
+        _check_tied_as_configured(model, model_dir)
     return _without_kv_cache(model)
 
 

@@ -315,3 +315,27 @@ def test_a_rank_that_gets_rank_0s_weights_builds_them_empty_in_the_dtype_rank_0_
     assert src.model.empty_on_this_rank(AutoModelForCausalLM, config, "auto", False) is None
     monkeypatch.setattr(src.model, "weights_come_from_rank_0", lambda: False)
     assert src.model.empty_on_this_rank(AutoModelForCausalLM, config, torch.float32, False) is None
+
+
+def test_a_checkpoint_whose_config_ties_a_head_its_weights_keep_apart_is_refused_under_fsdp(
+    tiny_decoders, tmp_path, monkeypatch
+):
+    """transformers keeps such a head apart on rank 0, which reads the weights; the other ranks, building the model
+    from its config, would tie it: their parameters would differ from rank 0's."""
+    import src.errors
+
+    folder = tmp_path / "untied"
+    shutil.copytree(tiny_decoders["llama"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert not config["tie_word_embeddings"], "the tiny Llama stores a head of its own"
+    (folder / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    config = AutoConfig.from_pretrained(folder)
+    assert load_model(AutoModelForCausalLM, str(folder), config).lm_head is not None  # without FSDP: as transformers
+    for name, value in {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+    }.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(src.errors.UserError, match='its weights hold a different head.*"tie_word_embeddings": false'):
+        load_model(AutoModelForCausalLM, str(folder), config)
