@@ -15,6 +15,9 @@ Each rank prints what the tests check and the docs' memory table reads:
 - at its first optimizer step, how many parameters its optimizer holds and how many of them are the prepared model's
   trainable parameters: "fsdp_on_cpu rank R: optimizer slots S, distinct D, model's trainable held H of T";
 - at exit, its peak resident memory: "fsdp_on_cpu rank R: peak RSS M MiB".
+
+With FSDP_ON_CPU_KILL_AFTER_CHECKPOINT=N in the environment, every rank kills itself with SIGKILL as soon as
+checkpoint-N is complete, as a `kill -9` of the whole job right after that save would.
 """
 
 import atexit
@@ -22,6 +25,7 @@ import hashlib
 import os
 import resource
 import runpy
+import signal
 import sys
 from pathlib import Path
 
@@ -93,6 +97,22 @@ def peak_rss() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def kill_after_checkpoint(step: int):
+    """Each rank dies (no handler, no clean-up) once checkpoint-`step` is complete: save_checkpoint returns on no rank
+    before the checkpoint is renamed into place."""
+    import src.checkpoint
+
+    save = src.checkpoint.save_checkpoint
+
+    def save_then_die(accelerator, output_dir, state, *args, **kwargs):
+        saved = save(accelerator, output_dir, state, *args, **kwargs)
+        if state["global_step"] == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return saved
+
+    src.checkpoint.save_checkpoint = save_then_die  # before the script imports it by name
+
+
 def report_peak_memory_at_exit():
     atexit.register(lambda: print(f"fsdp_on_cpu rank {os.environ.get('RANK', 0)}: peak RSS {peak_rss():.0f} MiB",
                                   flush=True))  # fmt: skip
@@ -113,4 +133,6 @@ if __name__ == "__main__":
     src.runtime.refuse_fsdp_without_gpus = lambda: None  # the scripts import it by name when they run
     report_prepare_and_first_step()
     report_peak_memory_at_exit()
+    if os.environ.get("FSDP_ON_CPU_KILL_AFTER_CHECKPOINT"):
+        kill_after_checkpoint(int(os.environ["FSDP_ON_CPU_KILL_AFTER_CHECKPOINT"]))
     runpy.run_path(str(script), run_name="__main__")

@@ -204,18 +204,24 @@ def test_fsdp_shards_the_largest_layer_list_unless_the_config_names_layers(tiny_
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_mid_epoch_resumes_to_the_uninterrupted_weights(tiny_model, tmp_path):
+def test_a_sharded_checkpoint_mid_epoch_resumes_to_the_uninterrupted_weights(tiny_model, tmp_path, monkeypatch):
     """2 epochs of 4 steps, with dropout (whose random state the checkpoint carries); checkpoint-5 is one step into
-    the second epoch. What a kill after it leaves (that checkpoint alone) resumes bit for bit."""
+    the second epoch. Every rank is killed (SIGKILL) as soon as it is complete; the resumed run ends bit for bit
+    where the uninterrupted one does."""
     data = sentiment_files(tmp_path, 32, 20)
     flags = ["--per_device_train_batch_size", "4", "--checkpointing_steps", "5"]
     uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
     launch_fsdp(train_args(tiny_model, *data, uninterrupted, *flags))
-    checkpoint = uninterrupted / "checkpoint-5"
+    monkeypatch.setenv("FSDP_ON_CPU_KILL_AFTER_CHECKPOINT", "5")
+    killed = launch("tests/fsdp_on_cpu.py", ["train.py", *train_args(tiny_model, *data, resumed, *flags)],
+                    config=FSDP_CONFIG)  # fmt: skip
+    monkeypatch.delenv("FSDP_ON_CPU_KILL_AFTER_CHECKPOINT")
+    assert killed.returncode != 0 and not (resumed / "model.safetensors").exists()
+    checkpoint = resumed / "checkpoint-5"
+    assert sorted(path.name for path in resumed.glob("checkpoint-*")) == [checkpoint.name]
     assert list(checkpoint.glob("pytorch_model_fsdp_0/*.distcp")) and list(checkpoint.glob("optimizer_0/*.distcp"))
-    shutil.copytree(checkpoint, resumed / checkpoint.name)
     log = launch_fsdp(train_args(tiny_model, *data, resumed, *flags, "--resume_from_checkpoint", "latest"))
-    assert f"resuming from {resumed / checkpoint.name} at step 5" in log
+    assert f"resuming from {checkpoint} at step 5" in log
     first, second = load_file(uninterrupted / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
