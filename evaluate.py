@@ -89,7 +89,7 @@ def main(args):
         if args.predict_with_generate and prompts is None:
             raise UserError(f"--predict_with_generate answers prompts, and a model for {task.describe()} has none to "
                             "answer: give a causal LM prompt/completion or chat rows, or drop the flag")  # fmt: skip
-    with errors_reach_every_rank(accelerator):  # every rank at once, as in train.py
+    with errors_reach_every_rank(accelerator, args.data_preparation_timeout):  # every rank at once, as in train.py
         model = task.load_model(args.model_name_or_path, args, tokenizer, accelerator.mixed_precision)
         # The training run's --max_length unless told otherwise: texts cut elsewhere get other predictions.
         max_length = resolve_max_length(args.max_length or record.get("max_length"), tokenizer,

@@ -98,7 +98,7 @@ def load_data_and_model(args, accelerator):
             cls = task_class(args.task)
         task = cls.from_data(args, train)
         tokenizer = task.load_tokenizer(args.tokenizer_name, args)
-    with errors_reach_every_rank(accelerator):
+    with errors_reach_every_rank(accelerator, args.data_preparation_timeout):
         model = task.build_model(args, tokenizer, accelerator.mixed_precision)
         model = prepare_for_training(model, args, accelerator, task)  # gradient checkpointing and LoRA, if asked
         max_length = resolve_max_length(

@@ -26,7 +26,7 @@ def main_process_first(accelerator, timeout: float | None = None):
     if accelerator.num_processes == 1:
         yield
         return
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if timeout else None
+    group = _waiting_group(timeout)
 
     def from_main_process(message):
         box = [message]
@@ -48,21 +48,34 @@ def main_process_first(accelerator, timeout: float | None = None):
 
 
 @contextmanager
-def errors_reach_every_rank(accelerator):
-    """For work that every rank does at once but whose mistakes some ranks may meet alone (under FSDP rank 0 alone
-    reads a model's weights): a UserError on any rank is raised on every rank, with the first such rank's message,
-    instead of leaving the others waiting for it in the next collective."""
-    message = None
+def errors_reach_every_rank(accelerator, timeout: float | None = None):
+    """For work that every rank does at once but whose failures some ranks may meet alone (under FSDP rank 0 alone
+    downloads and reads a model's weights while the others build it empty in seconds): a failure on any rank stops
+    every rank, the others with a one-line UserError that says what it was, instead of leaving them waiting for it in
+    the next collective. `timeout`: how long they may wait for each other, on a gloo group as in main_process_first.
+    """
+    failure = None
     try:
         yield
-    except UserError as err:
-        message = str(err)
+    except Exception as err:  # every failure is shared, then raised again as it was
+        failure = err
     if accelerator.num_processes > 1:
+        mine = None
+        if failure is not None:
+            mine = str(failure) if isinstance(failure, UserError) else f"{type(failure).__name__}: {failure}"
+            mine = f"rank {accelerator.process_index}: {mine}"
         messages = [None] * accelerator.num_processes
-        dist.all_gather_object(messages, message)
-        message = next((found for found in messages if found is not None), None)
-    if message is not None:
-        raise UserError(message)
+        dist.all_gather_object(messages, mine, group=_waiting_group(timeout))
+        first = next((message for message in messages if message is not None), None)
+        if failure is None and first is not None:
+            raise UserError(first)
+    if failure is not None:
+        raise failure
+
+
+def _waiting_group(timeout: float | None):
+    """A gloo group with `timeout` for ranks that wait on another's preparation; None (the run's group) without one."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if timeout else None
 
 
 def run_cli(main, parse_args):

@@ -156,7 +156,7 @@ def load_model(
         trust_remote_code=trust_remote_code,
     )
     if rank_0_reads_for_every_rank():
-        _check_tied_as_configured(model, name_or_path)
+        check_tied_as_configured(model, name_or_path)
     return _without_kv_cache(model)
 
 
@@ -207,17 +207,18 @@ def weights_come_from_rank_0() -> bool:
     return rank_0_reads_for_every_rank() and PartialState().process_index != 0
 
 
-def _check_tied_as_configured(model, name_or_path):
-    """The other ranks build the model from its config, which may tie the LM head to the input embeddings; rank 0's
-    from_pretrained keeps them apart when the checkpoint stores a head that differs: the ranks would then hold
-    different parameters."""
-    output = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
-    tied_by_config = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
-    if output is not None and tied_by_config and output.weight is not model.get_input_embeddings().weight:
+def check_tied_as_configured(model, name_or_path):
+    """Refuse weights that hold an LM head apart from the input embeddings that the config ties it to: transformers
+    then keeps the two apart, but FSDP's prepare() ties them again on every rank, and rank 0's broadcast would write
+    one over the other without a word."""
+    if not isinstance(model, PreTrainedModel):
+        return
+    kept_apart = set(model.get_expanded_tied_weights_keys(all_submodels=True)) - set(model.all_tied_weights_keys)
+    if kept_apart:
         raise UserError(
-            f"{name_or_path}: its config ties the LM head to the input embeddings (tie_word_embeddings), but its "
-            "weights hold a different head, which transformers keeps apart and the other ranks under FSDP would tie: "
-            'set "tie_word_embeddings": false in its config.json'
+            f"{name_or_path}: its config ties {', '.join(sorted(kept_apart))} to the input embeddings "
+            "(tie_word_embeddings), but its weights hold a different one, which FSDP would overwrite: set "
+            '"tie_word_embeddings": false in its config.json'
         )
 
 
@@ -247,7 +248,7 @@ def load_trained_model(
         missing = ", ".join(sorted(info["missing_keys"])[:3])
         raise UserError(f"{model_dir} has no fine-tuned head (missing {missing}): evaluate a train.py output folder")
     if rank_0_reads_for_every_rank():
-        _check_tied_as_configured(model, model_dir)
+        check_tied_as_configured(model, model_dir)
     return _without_kv_cache(model)
 
 

@@ -326,8 +326,8 @@ def test_a_rank_that_gets_rank_0s_weights_builds_them_empty_in_the_dtype_rank_0_
 def test_a_checkpoint_whose_config_ties_a_head_its_weights_keep_apart_is_refused_under_fsdp(
     tiny_decoders, tmp_path, monkeypatch
 ):
-    """transformers keeps such a head apart on rank 0, which reads the weights; the other ranks, building the model
-    from its config, would tie it: their parameters would differ from rank 0's."""
+    """transformers keeps such a head apart on rank 0, which reads the weights; FSDP's prepare() ties it again on every
+    rank, and rank 0's broadcast would write the head and the embeddings into one tensor, one over the other."""
     import src.errors
 
     folder = tmp_path / "untied"
@@ -343,5 +343,5 @@ def test_a_checkpoint_whose_config_ties_a_head_its_weights_keep_apart_is_refused
         "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
     }.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(src.errors.UserError, match='its weights hold a different head.*"tie_word_embeddings": false'):
+    with pytest.raises(src.errors.UserError, match='ties lm_head.weight to the .*"tie_word_embeddings": false'):
         load_model(AutoModelForCausalLM, str(folder), config)
