@@ -12,7 +12,7 @@ from transformers import AutoConfig
 from transformers.pytorch_utils import Conv1D
 
 from src.errors import UserError
-from src.model import check_tied_as_configured, empty_on_this_rank, rank_0_reads_for_every_rank
+from src.model import check_tied_as_configured, empty_on_this_rank
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's file: the folder holds a LoRA adapter and head, not a whole model
 CHECKPOINT_WEIGHTS = "model.safetensors"  # what accelerate's save_state calls the model's weights
@@ -126,8 +126,7 @@ def load_adapter_folder(auto_class, folder, dtype, pad_token_id=None, trust_remo
                 ignore_mismatched_sizes=True,
                 trust_remote_code=trust_remote_code,
             )
-            if rank_0_reads_for_every_rank():
-                check_tied_as_configured(base, adapter.base_model_name_or_path)
+            check_tied_as_configured(base, adapter.base_model_name_or_path)
     except (OSError, ValueError, RuntimeError) as err:
         raise UserError(
             f"{folder} is a LoRA adapter on {adapter.base_model_name_or_path}, which cannot be loaded "

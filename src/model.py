@@ -155,8 +155,7 @@ def load_model(
         ignore_mismatched_sizes=ignore_mismatched_sizes,
         trust_remote_code=trust_remote_code,
     )
-    if rank_0_reads_for_every_rank():
-        check_tied_as_configured(model, name_or_path)
+    check_tied_as_configured(model, name_or_path)
     return _without_kv_cache(model)
 
 
@@ -208,10 +207,10 @@ def weights_come_from_rank_0() -> bool:
 
 
 def check_tied_as_configured(model, name_or_path):
-    """Refuse weights that hold an LM head apart from the input embeddings that the config ties it to: transformers
-    then keeps the two apart, but FSDP's prepare() ties them again on every rank, and rank 0's broadcast would write
-    one over the other without a word."""
-    if not isinstance(model, PreTrainedModel):
+    """Under FSDP with fsdp_cpu_ram_efficient_loading (`rank_0_reads_for_every_rank`), refuse weights that hold an LM
+    head apart from the input embeddings that the config ties it to: transformers then keeps the two apart, but
+    prepare() ties them again on every rank, and rank 0's broadcast would write one over the other without a word."""
+    if not (rank_0_reads_for_every_rank() and isinstance(model, PreTrainedModel)):
         return
     kept_apart = set(model.get_expanded_tied_weights_keys(all_submodels=True)) - set(model.all_tied_weights_keys)
     if kept_apart:
@@ -247,8 +246,7 @@ def load_trained_model(
     if info["missing_keys"]:
         missing = ", ".join(sorted(info["missing_keys"])[:3])
         raise UserError(f"{model_dir} has no fine-tuned head (missing {missing}): evaluate a train.py output folder")
-    if rank_0_reads_for_every_rank():
-        check_tied_as_configured(model, model_dir)
+    check_tied_as_configured(model, model_dir)
     return _without_kv_cache(model)
 
 
