@@ -34,56 +34,29 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _convert(text, kind):
-    """int(text) or float(text), with argparse's error naming the flag instead of this module's function."""
-    try:
-        return kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be {'a whole number' if kind is int else 'a number'}, got {text!r}"
-        ) from None
+def _number(kind, valid, wanted):
+    """An argparse type: int or float text, checked by `valid`; errors name the flag, not this function."""
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be {'a whole number' if kind is int else 'a number'}, got {text!r}"
+            ) from None
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+        return value
+
+    return parse
 
 
-def _positive_int(text):
-    value = _convert(text, int)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_int(text):
-    value = _convert(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def _positive_float(text):
-    value = _convert(text, float)
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _non_negative_float(text):
-    value = _convert(text, float)
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def _fraction(text):
-    value = _convert(text, float)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
-
-
-def _threshold(text):
-    value = _convert(text, float)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return value
+_positive_int = _number(int, lambda v: v > 0, "a positive integer")
+_non_negative_int = _number(int, lambda v: v >= 0, "0 or more")
+_positive_float = _number(float, lambda v: 0 < v < math.inf, "a positive number")
+_non_negative_float = _number(float, lambda v: 0 <= v < math.inf, "0 or more")
+_fraction = _number(float, lambda v: 0 <= v < 1, "in [0, 1)")
+_threshold = _number(float, lambda v: 0 < v < 1, "between 0 and 1")
 
 
 def _yes_no(text):
@@ -491,21 +464,24 @@ def build_eval_parser() -> ArgumentParser:
     return parser
 
 
-def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
-    """The YAML file's keys and values as command-line words, checked against the parser's flags."""
+def _read_config(parser: ArgumentParser, path: Path) -> dict:
+    """The YAML file's 'flag: value' pairs."""
     try:
         loaded = yaml.safe_load(path.read_text())
     except OSError as err:
         parser.error(f"cannot read --config {path}: {err.strerror}")
     except yaml.YAMLError as err:
         parser.error(f"--config {path} is not valid YAML: {' '.join(str(err).split())}")
-    if loaded is None:
-        return []
-    if not isinstance(loaded, dict):
+    if loaded is not None and not isinstance(loaded, dict):
         parser.error(f"--config {path} must hold 'flag: value' pairs, not a {type(loaded).__name__}")
+    return loaded or {}
+
+
+def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
+    """The YAML file's keys and values as command-line words, checked against the parser's flags."""
     actions = {action.dest: action for action in parser._actions if action.option_strings}
     words = []
-    for key, value in loaded.items():
+    for key, value in _read_config(parser, path).items():
         if key not in actions or key in ("config", "help"):
             close = difflib.get_close_matches(str(key), actions, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -532,23 +508,27 @@ def in_notebook() -> bool:
     return "ipykernel" in sys.modules or Path(sys.argv[0]).name in ("ipykernel_launcher.py", "colab_kernel_launcher.py")
 
 
+def _command_line(argv: list[str] | None) -> list[str]:
+    """`argv`, else sys.argv's flags; in a notebook none (pass them as a list: parse_train_args(["--seed", "1"]))."""
+    if argv is not None:
+        return list(argv)
+    return [] if in_notebook() else sys.argv[1:]
+
+
 def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     """Parse `argv` (default: sys.argv; in a notebook, nothing), with `--config`'s values before the command line."""
-    if argv is None and in_notebook():
-        argv = []  # pass the flags as a list instead: parse_train_args(["--train_file", "train.csv", ...])
-    first = parser.parse_args(argv)
+    command_line = _command_line(argv)
+    first = parser.parse_args(command_line)
     if first.config is None:
         return first
-    command_line = sys.argv[1:] if argv is None else list(argv)
     return parser.parse_args(_config_words(parser, first.config) + command_line)
 
 
 def parse_train_args(argv: list[str] | None = None) -> Flags:
     """train.py's flags, with the chosen task's own (every listed task's for --task auto), parsed and validated once
     into a read-only object."""
-    if argv is None and in_notebook():
-        argv = []
-    chosen = _task_spec(list(sys.argv[1:] if argv is None else argv))
+    argv = _command_line(argv)
+    chosen = _task_spec(argv)
     try:
         classes = None if chosen in ("auto", *TASKS) else [task_class(chosen)]
     except UserError as err:
@@ -559,17 +539,12 @@ def parse_train_args(argv: list[str] | None = None) -> Flags:
 
 def _task_spec(words: list[str]) -> str:
     """--task from the command line, else from the --config file, else auto: the task decides which flags exist."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre = ArgumentParser(prog="train.py", add_help=False)
     pre.add_argument("--task")
     pre.add_argument("--config", type=Path)
     known, _ = pre.parse_known_args(words)
-    if known.task is None and known.config is not None and known.config.is_file():
-        try:
-            loaded = yaml.safe_load(known.config.read_text())
-        except yaml.YAMLError:
-            loaded = None  # the full parse reports the file
-        if isinstance(loaded, dict) and loaded.get("task"):
-            return str(loaded["task"])
+    if known.task is None and known.config is not None:
+        return str(_read_config(pre, known.config).get("task") or "auto")
     return known.task or "auto"
 
 

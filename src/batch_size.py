@@ -9,7 +9,6 @@ all-reduce. The ranks then take the smallest size any of them found. FSDP and De
 """
 
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -50,20 +49,16 @@ def fit_batch_sizes(sizes: BatchSizes, accelerator, model, splits, collator, tas
 def _fit_train_batch_size(sizes, accelerator, model, dataset, collator, task, resume_path, trainable) -> BatchSizes:
     requested, accumulation = sizes.per_device_train_batch_size, sizes.gradient_accumulation_steps
     if resume_path is not None:
-        found = _sizes_of_checkpoint(resume_path)
-        if found and found[0] * found[1] == requested * accumulation:
+        saved = read_checkpoint_args(resume_path)
+        found = saved.get("per_device_train_batch_size"), saved.get("gradient_accumulation_steps")
+        if all(isinstance(n, int) for n in found) and found[0] * found[1] == requested * accumulation:
             why = f"the batch size found when the run started (checkpoint {resume_path})"
             return _use(sizes, accelerator, *found, why)
-        return sizes  # different totals: the checkpoint's settings check names them
+        return sizes  # different totals (or an unreadable checkpoint): loading the checkpoint says what is wrong
     # A training step holds AdamW's two fp32 moments per trainable weight (made at the first real step) and, on
     # more than one process, DDP's gradient buckets (a copy of the gradients): the probe runs without DDP.
     reserve = 2 * trainable + (trainable if accelerator.num_processes > 1 else 0)
-
-    def fits(size):
-        return _step_fits(model, _longest_batch(dataset, collator, size), task, accelerator, reserve, True)
-
-    size = _largest_that_fits(accelerator, requested, fits, lambda size: next_smaller(size, requested))
-    longest = int(lengths_of(dataset).max())
+    size, longest = _largest_that_fits(accelerator, model, dataset, collator, task, reserve, requested, True)
     if size == 0:
         raise UserError(
             f"--auto_find_batch_size: even 1 example of {longest} tokens per device runs out of memory; lower "
@@ -80,12 +75,7 @@ def _fit_eval_batch_size(sizes, accelerator, model, dataset, collator, task, tra
     """Evaluation runs between training steps, beside AdamW's moments: a decoder LLM that trains fine can run out of
     memory at its first evaluation. Halving only: the evaluation batch has no accumulation to make up for it."""
     requested = sizes.per_device_eval_batch_size
-
-    def fits(size):
-        return _step_fits(model, _longest_batch(dataset, collator, size), task, accelerator, 2 * trainable, False)
-
-    size = _largest_that_fits(accelerator, requested, fits, lambda size: size // 2)
-    longest = int(lengths_of(dataset).max())
+    size, longest = _largest_that_fits(accelerator, model, dataset, collator, task, 2 * trainable, requested, False)
     if size == 0:
         raise UserError(
             f"--auto_find_batch_size: even 1 validation example of {longest} tokens per device runs out of memory "
@@ -99,13 +89,15 @@ def _fit_eval_batch_size(sizes, accelerator, model, dataset, collator, task, tra
     return replace(sizes, per_device_eval_batch_size=size)
 
 
-def _largest_that_fits(accelerator, size: int, fits, smaller) -> int:
-    """From `size` down (`smaller(size)` next), the first size that `fits` on this rank; then the smallest any rank
-    found, so that all ranks take the same. 0 if not even 1 fits."""
-    while size and not fits(size):
+def _largest_that_fits(accelerator, model, dataset, collator, task, reserve: int, requested: int, train: bool):
+    """(the largest size, from `requested` down, whose step on the longest rows fits on every rank, 0 if not even 1
+    does; the longest row's tokens). Training sizes stay divisors of `requested` (`next_smaller`); evaluation halves."""
+    size = requested
+    while size and not _step_fits(model, _longest_batch(dataset, collator, size), task, accelerator, reserve, train):
         clear_device_cache(garbage_collection=True)  # the failed attempt's tensors, freed with its traceback
-        size = smaller(size)
-    return int(accelerator.gather(torch.tensor([size], device=accelerator.device)).min())
+        size = next_smaller(size, requested) if train else size // 2
+    size = int(accelerator.gather(torch.tensor([size], device=accelerator.device)).min())  # all ranks take the same
+    return size, int(lengths_of(dataset).max())
 
 
 def _use(sizes: BatchSizes, accelerator, size: int, accumulation: int, why: str) -> BatchSizes:
@@ -118,14 +110,6 @@ def _use(sizes: BatchSizes, accelerator, size: int, accumulation: int, why: str)
         f"{sizes.gradient_accumulation_steps}): the same total batch of {total}"
     )
     return replace(sizes, per_device_train_batch_size=size, gradient_accumulation_steps=accumulation)
-
-
-def _sizes_of_checkpoint(path: Path) -> tuple[int, int] | None:
-    saved = read_checkpoint_args(path)
-    try:
-        return int(saved["per_device_train_batch_size"]), int(saved["gradient_accumulation_steps"])
-    except (KeyError, TypeError, ValueError):
-        return None  # loading the checkpoint reports what is wrong with it
 
 
 def _longest_batch(dataset, collator, size) -> dict:

@@ -15,35 +15,21 @@ class UserError(Exception):
 
 @contextmanager
 def main_process_first(accelerator, timeout: float | None = None):
-    """`accelerator.main_process_first()`, except that a UserError on the main process stops every rank with
-    the same message, instead of leaving the others in a barrier that fails with a traceback.
+    """`accelerator.main_process_first()`, except that a failure on the main process (a mistake in the data, a
+    download that fails) stops every rank with its message, instead of leaving the others in a barrier that fails
+    with a traceback.
 
     `timeout` (seconds, --data_preparation_timeout): how long the other ranks may wait for the main process, which
     may download and tokenise a large dataset for hours. They wait on a gloo group of their own with that timeout,
     so that the run's process group keeps its short one (--ddp_timeout) for the training collectives, where a long
     wait means a dead or hung rank. Without it they wait on the run's group.
     """
-    if accelerator.num_processes == 1:
-        yield
-        return
-    group = _waiting_group(timeout)
-
-    def from_main_process(message):
-        box = [message]
-        dist.broadcast_object_list(box, src=0, group=group)
-        return box[0]
-
     if accelerator.is_main_process:
-        try:
+        with errors_reach_every_rank(accelerator, timeout):
             yield
-        except UserError as err:
-            from_main_process(str(err))
-            raise
-        from_main_process(None)
     else:
-        message = from_main_process(None)  # waits for the main process
-        if message is not None:
-            raise UserError(message)
+        with errors_reach_every_rank(accelerator, timeout):
+            pass  # waits for the main process: its failure is raised here
         yield
 
 

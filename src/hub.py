@@ -4,8 +4,9 @@ The token never reaches args.json, checkpoints, trackers, logs or the model card
 (src/record.py), and it lives on in the returned `HubTarget` only.
 """
 
-import threading
+import multiprocessing
 from dataclasses import dataclass, field
+from multiprocessing.pool import ThreadPool
 
 import huggingface_hub
 from accelerate.logging import get_logger
@@ -74,26 +75,17 @@ def _open_repo(name: str, token: str | None) -> HubTarget:
 
 
 def _within(seconds: float, function, *args):
-    """`function(*args)`, or a UserError if it has not answered in `seconds` (its thread is left to die)."""
-    outcome = {}
-
-    def run():
-        try:
-            outcome["value"] = function(*args)
-        except BaseException as err:  # handed to the caller's thread
-            outcome["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
+    """`function(*args)`, or a UserError if it has not answered in `seconds` (its daemon thread is left to die)."""
+    pool = ThreadPool(1)
+    try:
+        return pool.apply_async(function, args).get(seconds)
+    except multiprocessing.TimeoutError:
         raise UserError(
             f"--push_to_hub: the Hugging Face Hub did not answer within {seconds} s; check the network or proxy "
             "settings, or train without --push_to_hub and upload later with `hf upload`"
-        )
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+        ) from None
+    finally:
+        pool.close()
 
 
 def push_to_hub(args, accelerator, target: HubTarget | None):

@@ -2,7 +2,6 @@
 a LoRA output folder loaded back on the base model it names."""
 
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 from accelerate.utils import DistributedType
@@ -16,6 +15,8 @@ from src.model import check_tied_as_configured, empty_on_this_rank
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's file: the folder holds a LoRA adapter and head, not a whole model
 CHECKPOINT_WEIGHTS = "model.safetensors"  # what accelerate's save_state calls the model's weights
+# peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`: a FutureWarning for peft, not for users.
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 def is_adapter_folder(name_or_path) -> bool:
@@ -32,11 +33,6 @@ def head_modules(model) -> list[str]:
     ]
 
 
-def _head_to_fp32(model, head: list[str]):
-    for name in head:
-        getattr(model, name).float()
-
-
 def lora_targets(spec: str) -> str | list[str]:
     """--lora_target_modules: peft's 'all-linear', or the comma-separated module names."""
     return spec if spec == "all-linear" else [name.strip() for name in spec.split(",") if name.strip()]
@@ -50,7 +46,8 @@ def add_lora(model, args, accelerator, task_type: str, new_head: bool) -> PeftMo
     Adapters and head are kept in fp32 (peft upcasts adapters on a bf16/fp16 base; the head is cast here).
     """
     head = head_modules(model) if new_head else []
-    _head_to_fp32(model, head)
+    for name in head:
+        getattr(model, name).float()
     config = LoraConfig(
         task_type=TaskType(task_type),
         r=args.lora_r,
@@ -61,8 +58,7 @@ def add_lora(model, args, accelerator, task_type: str, new_head: bool) -> PeftMo
         fan_in_fan_out=any(isinstance(module, Conv1D) for module in model.modules()),  # GPT-2's transposed linears
     )
     try:
-        with _peft_reading_deprecated_attributes():
-            model = get_peft_model(model, config)
+        model = get_peft_model(model, config)
     except ValueError as err:
         reason = " ".join(str(err).split()).split(". ")[0][:200]  # peft's first sentence
         raise UserError(
@@ -133,16 +129,9 @@ def load_adapter_folder(auto_class, folder, dtype, pad_token_id=None, trust_remo
             f"({' '.join(str(err).split())[:300]}); the base model must be where training found it, or set "
             f"base_model_name_or_path in {Path(folder) / ADAPTER_CONFIG} to where it is now"
         ) from err
-    _head_to_fp32(base, head_modules(base) if new_head else [])  # as in training: the saved fp32 head stays exact
-    with _peft_reading_deprecated_attributes(), warnings.catch_warnings():
+    for name in head_modules(base) if new_head else []:  # as in training: the saved fp32 head stays exact
+        getattr(base, name).float()
+    with warnings.catch_warnings():
         if empty:  # peft puts the adapter on the meta device too, where torch warns of each weight it cannot copy
             warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter", category=UserWarning)
         return PeftModel.from_pretrained(base, folder)
-
-
-@contextmanager
-def _peft_reading_deprecated_attributes():
-    """peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`: a FutureWarning for peft, not for users."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        yield

@@ -5,6 +5,7 @@ back, whole or as a LoRA adapter (src/lora.py) on its base model."""
 import importlib.util
 import os
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -140,22 +141,21 @@ def load_model(
     under LoRA adapters (see `weights_dtype`). On a rank that prepare() gives rank 0's weights
     (`weights_come_from_rank_0`), the parameters are left empty, on the meta device, and nothing is read."""
     dtype = weights_dtype(lora, mixed_precision) if name_or_path else torch.float32
-    empty = empty_on_this_rank(auto_class, config, dtype, trust_remote_code)
-    if empty is not None:
-        return _without_kv_cache(empty)
-    if name_or_path is None:
-        return _without_kv_cache(_from_config(auto_class, config, dtype, trust_remote_code))
-    model = _load(
-        "model",
-        auto_class.from_pretrained,
-        # A local folder by its absolute path: a LoRA adapter records it as its base model.
-        str(Path(name_or_path).resolve()) if Path(name_or_path).is_dir() else name_or_path,
-        config=config,
-        dtype=dtype,
-        ignore_mismatched_sizes=ignore_mismatched_sizes,
-        trust_remote_code=trust_remote_code,
-    )
-    check_tied_as_configured(model, name_or_path)
+    model = empty_on_this_rank(auto_class, config, dtype, trust_remote_code)
+    if model is None and name_or_path is None:
+        model = _from_config(auto_class, config, dtype, trust_remote_code)
+    elif model is None:
+        model = _load(
+            "model",
+            auto_class.from_pretrained,
+            # A local folder by its absolute path: a LoRA adapter records it as its base model.
+            str(Path(name_or_path).resolve()) if Path(name_or_path).is_dir() else name_or_path,
+            config=config,
+            dtype=dtype,
+            ignore_mismatched_sizes=ignore_mismatched_sizes,
+            trust_remote_code=trust_remote_code,
+        )
+        check_tied_as_configured(model, name_or_path)
     return _without_kv_cache(model)
 
 
@@ -175,15 +175,10 @@ def empty_on_this_rank(auto_class, config, dtype, trust_remote_code):
     known_dtype = config.dtype if dtype == "auto" else dtype
     if known_dtype is None or not weights_come_from_rank_0():
         return None
-    return _empty_model(auto_class, config, known_dtype, trust_remote_code)
-
-
-def _empty_model(auto_class, config, dtype, trust_remote_code):
-    """The model without weights: its parameters on the meta device. Buffers are made for real, as on rank 0:
-    accelerate broadcasts the state dict only and keeps each rank's non-persistent buffers (RoPE's inv_freq, BERT's
-    position ids)."""
+    # Parameters on the meta device; buffers made for real, as on rank 0: accelerate broadcasts the state dict only
+    # and keeps each rank's non-persistent buffers (RoPE's inv_freq, BERT's position ids).
     with init_empty_weights(include_buffers=False):
-        model = _from_config(auto_class, config, dtype, trust_remote_code)
+        model = _from_config(auto_class, config, known_dtype, trust_remote_code)
     model.tie_weights()  # init_empty_weights gave the LM head a meta copy of the embeddings, not the same ones
     return model
 
@@ -236,17 +231,18 @@ def load_trained_model(
         return _without_kv_cache(adapter)
     fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     config = _load("model config", AutoConfig.from_pretrained, model_dir, trust_remote_code=trust_remote_code, **fields)
-    empty = empty_on_this_rank(auto_class, config, torch.float32, trust_remote_code)
-    if empty is not None:  # rank 0 checks the head below; evaluate.py raises its error on every rank
-        return _without_kv_cache(empty)
-    model, info = _load(
-        "fine-tuned model", auto_class.from_pretrained, model_dir, config=config, dtype=torch.float32,
-        trust_remote_code=trust_remote_code, output_loading_info=True,
-    )  # fmt: skip
-    if info["missing_keys"]:
-        missing = ", ".join(sorted(info["missing_keys"])[:3])
-        raise UserError(f"{model_dir} has no fine-tuned head (missing {missing}): evaluate a train.py output folder")
-    check_tied_as_configured(model, model_dir)
+    model = empty_on_this_rank(auto_class, config, torch.float32, trust_remote_code)
+    if model is None:  # rank 0 checks the head below; evaluate.py raises its error on every rank
+        model, info = _load(
+            "fine-tuned model", auto_class.from_pretrained, model_dir, config=config, dtype=torch.float32,
+            trust_remote_code=trust_remote_code, output_loading_info=True,
+        )  # fmt: skip
+        if info["missing_keys"]:
+            missing = ", ".join(sorted(info["missing_keys"])[:3])
+            raise UserError(
+                f"{model_dir} has no fine-tuned head (missing {missing}): evaluate a train.py output folder"
+            )
+        check_tied_as_configured(model, model_dir)
     return _without_kv_cache(model)
 
 
@@ -335,15 +331,12 @@ def save_model(
         return
     base = unwrapped.get_base_model()
     base.config.architectures = [type(base).__name__]
-    if not merge_lora:
-        unwrapped.save_pretrained(output_dir, state_dict=state_dict)
-        base.config.save_pretrained(output_dir)
-        return
-    # Merged from the saved adapter on a fresh CPU copy of the base: that works the same whatever sharded the
-    # weights in training (FSDP, ZeRO-3), and leaves the GPUs alone.
-    with tempfile.TemporaryDirectory(dir=output_dir) as adapter_dir:
+    # With merge_lora, merged from the saved adapter on a fresh CPU copy of the base: that works the same whatever
+    # sharded the weights in training (FSDP, ZeRO-3), and leaves the GPUs alone.
+    with tempfile.TemporaryDirectory(dir=output_dir) if merge_lora else nullcontext(output_dir) as adapter_dir:
         unwrapped.save_pretrained(adapter_dir, state_dict=state_dict)
         base.config.save_pretrained(adapter_dir)
-        backbone_dtype = next(base.base_model.parameters()).dtype  # the frozen weights' (bf16, or fp32)
-        merged = load_adapter_folder(auto_class, adapter_dir, backbone_dtype, None, trust_remote_code, new_head)
-        merged.merge_and_unload().save_pretrained(output_dir)
+        if merge_lora:
+            backbone_dtype = next(base.base_model.parameters()).dtype  # the frozen weights' (bf16, or fp32)
+            merged = load_adapter_folder(auto_class, adapter_dir, backbone_dtype, None, trust_remote_code, new_head)
+            merged.merge_and_unload().save_pretrained(output_dir)

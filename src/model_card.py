@@ -22,7 +22,6 @@ def write_model_card(output_dir: Path, settings: dict, results: dict, task):
     adapter = (output_dir / "adapter_config.json").is_file()  # a LoRA/PEFT run saved its adapter only
     where = settings.get("hub_model_id") if settings.get("push_to_hub") else str(output_dir)
     card = task.model_card(where, base_name, adapter)
-    labels = card["labels"]
 
     metadata = ["---", f"library_name: {'peft' if adapter else 'transformers'}"]
     metadata += [f"pipeline_tag: {card['pipeline_tag']}"] if card["pipeline_tag"] else []
@@ -32,32 +31,30 @@ def write_model_card(output_dir: Path, settings: dict, results: dict, task):
         metadata.append(f"datasets: [{settings.get('dataset_name') or GLUE_DATASET}]")
     metadata += [f"tags: [{card['pipeline_tag'] or task.name}, accelerate]", "---", ""]
 
-    kind = card["kind"]
     lines = [
         f"# {settings.get('hub_model_id') if settings.get('push_to_hub') else output_dir.name}",
         "",
-        f"{_origin(settings, base_name)} on {data} for {kind}, with an Accelerate training script (train.py).",
+        f"{_origin(settings, base_name)} on {data} for {card['kind']}, with an Accelerate training script (train.py).",
         "",
     ]
-    if labels:
-        lines += ["## Labels", "", "| id | label |", "| --- | --- |"]
-        lines += [f"| {i} | {name} |" for i, name in enumerate(labels)] + [""]
-
-    metrics = {k: v for k, v in results.items() if k.startswith("eval_") and "samples" not in k}
+    if card["labels"]:
+        lines += _table("Labels", ("id", "label"), enumerate(card["labels"]))
+    metrics = {k.removeprefix("eval_"): f"{v:.4g}" for k, v in results.items()
+               if k.startswith("eval_") and "samples" not in k}  # fmt: skip
     if metrics:
         examples = f" ({results['eval_samples']} examples)" if "eval_samples" in results else ""
-        lines += ["## Results", "", f"On the validation data{examples}, at the end of training:", ""]
-        lines += ["| metric | value |"]
-        lines += ["| --- | --- |"] + [f"| {k.removeprefix('eval_')} | {v:.4g} |" for k, v in metrics.items()] + [""]
-
-    lines += ["## Training", "", "| setting | value |", "| --- | --- |"]
-    for key, value in _hyperparameters(settings, results):
-        lines.append(f"| {key} | {value} |")
-    lines += ["", "Every flag of the run is in `args.json`; the curves are in `training_curves.png`.", ""]
-
-    lines += ["## How to use", "", "```python", *card["usage"]]
-    lines += ["```", ""]
+        intro = f"On the validation data{examples}, at the end of training:"
+        lines += _table("Results", ("metric", "value"), metrics.items(), intro)
+    lines += _table("Training", ("setting", "value"), _hyperparameters(settings, results))
+    lines += ["Every flag of the run is in `args.json`; the curves are in `training_curves.png`.", ""]
+    lines += ["## How to use", "", "```python", *card["usage"], "```", ""]
     (output_dir / "README.md").write_text("\n".join(metadata + lines))
+
+
+def _table(title: str, header: tuple[str, str], rows, intro: str | None = None) -> list[str]:
+    """A Markdown section with a two-column table."""
+    return [f"## {title}", "", *([intro, ""] if intro else []), f"| {header[0]} | {header[1]} |", "| --- | --- |",
+            *(f"| {a} | {b} |" for a, b in rows), ""]  # fmt: skip
 
 
 def _origin(settings: dict, base_name: str | None) -> str:

@@ -53,31 +53,24 @@ def plot_confusion_matrix(labels: list[int], predictions: list[int], names: list
 
     Returns the counts the picture shows, read back from it.
     """
+    from sklearn.metrics import ConfusionMatrixDisplay
+
     plt = pyplot()
     size = len(names)
-    counts = [[0] * size for _ in range(size)]
-    for true, predicted in zip(labels, predictions):
-        counts[true][predicted] += 1
     side = max(4.0, 0.6 * size + 2)
     figure, ax = plt.subplots(figsize=(side + 1, side))
-    image = ax.imshow(counts, cmap="Blues")
-    figure.colorbar(image, ax=ax, fraction=0.046)
-    ax.set_xticks(range(size), names, rotation=45 if size > 4 else 0, ha="right" if size > 4 else "center")
-    ax.set_yticks(range(size), names)
+    shown = ConfusionMatrixDisplay.from_predictions(
+        labels, predictions, labels=range(size), display_labels=names, ax=ax, cmap="Blues",
+        include_values=size <= 20, xticks_rotation=45 if size > 4 else "horizontal", colorbar=True,
+    )  # fmt: skip
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
-    accuracy = sum(counts[i][i] for i in range(size)) / max(1, len(labels))
+    accuracy = shown.confusion_matrix.trace() / max(1, len(labels))
     ax.set_title(f"confusion matrix ({len(labels)} examples, accuracy {accuracy:.3f})")
-    peak = max(max(row) for row in counts) or 1
-    if size <= 20:
-        for i in range(size):
-            for j in range(size):
-                color = "white" if counts[i][j] > peak / 2 else "black"
-                ax.text(j, i, counts[i][j], ha="center", va="center", color=color)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
-    return image.get_array().tolist()
+    return shown.im_.get_array().tolist()
 
 
 def plot_regression(labels: list[float], predictions: list[float], path: Path) -> list[list[float]]:

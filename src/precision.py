@@ -13,7 +13,7 @@ decision in args.json; resume and evaluate.py reuse it rather than deciding agai
 import json
 import os
 import platform
-import time
+import timeit
 from pathlib import Path
 
 import torch
@@ -54,12 +54,7 @@ def training_step_seconds(bf16: bool, repeats: int = 4) -> float:
         out.float().sum().backward()
 
     step()  # the first call pays for kernel selection and allocation
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return min(timeit.repeat(step, number=1, repeat=repeats))
 
 
 def measure_bf16_speedup() -> float:
@@ -77,10 +72,8 @@ def cpu_bf16_decision() -> tuple[bool, str]:
         return False, "the CPU has no bf16 instructions (AMX, avx512_bf16)"
     key = f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
     try:
-        cached = json.loads(cache_file().read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if not isinstance(cached, dict):  # edited by hand, or another program's file: measure and write it anew
+        cached = dict(json.loads(cache_file().read_text()))
+    except (OSError, ValueError, TypeError):  # TypeError: edited by hand, or another program's file: measure anew
         cached = {}
     if not isinstance(cached.get(key), (int, float)):
         cached[key] = round(measure_bf16_speedup(), 3)

@@ -44,15 +44,6 @@ def local_world_size() -> int:
     return next((int(os.environ[name]) for name in LOCAL_WORLD_SIZE_VARIABLES if name in os.environ), 1)
 
 
-def launcher_environment() -> dict[str, str] | None:
-    """The environment the launcher itself was started with (what the user exported), or None if unknown."""
-    try:
-        raw = Path(f"/proc/{os.getppid()}/environ").read_bytes()
-    except OSError:
-        return None
-    return dict(entry.split("=", 1) for entry in raw.decode(errors="replace").split("\0") if "=" in entry)
-
-
 def threads_chosen_by_user() -> int | None:
     """OMP_NUM_THREADS if a person chose it, None if it is unset or a launcher's default.
 
@@ -65,8 +56,11 @@ def threads_chosen_by_user() -> int | None:
     if not value.isdigit() or int(value) < 1:
         return None
     if int(value) == 1 and under_launcher():
-        inherited = launcher_environment()
-        if inherited is None or "OMP_NUM_THREADS" not in inherited:
+        try:  # the environment the launcher was started with (what the user exported)
+            inherited = Path(f"/proc/{os.getppid()}/environ").read_bytes()
+        except OSError:
+            return None
+        if b"\0OMP_NUM_THREADS=" not in b"\0" + inherited:
             return None
     return int(value)
 

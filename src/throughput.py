@@ -1,6 +1,7 @@
 """Loss and throughput since the last log, kept on the device so that logging is the only host synchronisation."""
 
 import time
+from collections import Counter
 from contextlib import contextmanager
 
 import torch
@@ -14,7 +15,7 @@ class ThroughputWindow:
         self.nonfinite = torch.zeros((), device=device)  # NaN or infinite losses so far, checked when syncing anyway
         self.samples = self.padded_tokens = 0
         self.start = time.perf_counter()
-        self.totals = {"samples": 0, "tokens": 0.0, "padded_tokens": 0}
+        self.totals = Counter()  # samples, tokens and padded_tokens over the whole run
 
     def add(self, step, batch):
         """`step`: the batch's `Step` (its summed loss and units)."""
@@ -40,12 +41,7 @@ class ThroughputWindow:
         local = torch.cat([self.sums, self.sums.new_tensor([self.samples, self.padded_tokens])])
         loss, units, tokens, samples, padded = accelerator.reduce(local, reduction="sum").tolist()
         seconds = time.perf_counter() - self.start
-        samples = int(samples)
-        self.totals = {
-            "samples": self.totals["samples"] + samples,
-            "tokens": self.totals["tokens"] + tokens,
-            "padded_tokens": self.totals["padded_tokens"] + int(padded),
-        }
+        self.totals.update(samples=int(samples), tokens=tokens, padded_tokens=int(padded))
         self.sums.zero_()
         self.samples = self.padded_tokens = 0
         self.start = time.perf_counter()

@@ -11,9 +11,9 @@ from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef, mean_sq
 import evaluate
 
 VALUES = {
-    "classification": datasets.Value("int64"),
+    "single_label_classification": datasets.Value("int64"),
     "regression": datasets.Value("float32"),
-    "multi_label": datasets.Sequence(datasets.Value("int64")),  # a multi-hot row of 0/1 per example
+    "multi_label_classification": datasets.Sequence(datasets.Value("int64")),  # a multi-hot row of 0/1 per example
 }
 
 
@@ -32,7 +32,7 @@ class SequenceScores(evaluate.Metric):
         if self.config_name == "regression":
             return {"pearson": float(pearsonr(y, p)[0]), "spearmanr": float(spearmanr(y, p)[0]),
                     "mse": float(mean_squared_error(y, p))}  # fmt: skip
-        if self.config_name == "classification":
+        if self.config_name == "single_label_classification":
             # average: of the positive class for two classes ("binary"), "macro" over more.
             return {"accuracy": float(accuracy_score(y, p)), "f1": float(f1_score(y, p, average=average)),
                     "matthews_correlation": float(matthews_corrcoef(y, p))}  # fmt: skip

@@ -265,24 +265,18 @@ class SequenceClassification(Task):
         from src.metrics import load_metric
 
         predictions, references = columns["prediction"].tolist(), columns["label"].tolist()
+        options = {}
         if self.is_multi_label:
             references = [[int(v) for v in row] for row in references]  # the multi-hot float targets
-            scores = load_metric("sequence_scores", "multi_label").compute(
-                predictions=predictions, references=references
-            )
-            per_label = scores.pop("f1_per_label")
-            return {**scores, **{f"f1/{label}": value for label, value in zip(self.label_names, per_label)}}
-        if self.is_regression:
-            with warnings.catch_warnings():  # SciPy warns about constant input; the NaN is replaced below
-                warnings.simplefilter("ignore")
-                scores = load_metric("sequence_scores", "regression").compute(
-                    predictions=predictions, references=references
-                )
-            # A constant prediction has no correlation: report 0 rather than NaN so "best model" stays comparable.
-            return {k: 0.0 if math.isnan(v) else v for k, v in scores.items()}
-        average = "binary" if self.num_labels == 2 else "macro"
-        metric = load_metric("sequence_scores", "classification")
-        return metric.compute(predictions=predictions, references=references, average=average)
+        elif not self.is_regression:
+            options["average"] = "binary" if self.num_labels == 2 else "macro"
+        with warnings.catch_warnings():  # SciPy warns about constant input; the NaN is replaced below
+            warnings.simplefilter("ignore")
+            metric = load_metric("sequence_scores", self.problem_type)
+            scores = metric.compute(predictions=predictions, references=references, **options)
+        per_label = {f"f1/{label}": v for label, v in zip(self.label_names, scores.pop("f1_per_label", []))}
+        # A constant prediction has no correlation: report 0 rather than NaN so "best model" stays comparable.
+        return {k: 0.0 if math.isnan(v) else v for k, v in scores.items()} | per_label
 
     def show(self, value) -> str:
         if self.is_regression:
