@@ -152,6 +152,27 @@ def prepare_slowly_then_train(folder, data_timeout):
     (folder / f"rank-{state.process_index}").write_text("done")
 
 
+def crash_on_rank_0_while_preparing(folder):
+    """Rank 0 fails inside main_process_first with a crash (not a UserError); each rank writes what it raised."""
+    state = PartialState(cpu=True)
+    try:
+        with main_process_first(state, 20):
+            if state.is_main_process:
+                raise OSError("No space left on device")
+    except Exception as err:
+        (folder / f"rank-{state.process_index}").write_text(f"{type(err).__name__}: {err}")
+
+
+def test_a_crash_on_rank_0_while_preparing_stops_the_waiting_rank_with_its_message(tmp_path):
+    """Not only a UserError: whatever stops rank 0 while it prepares the data (a full disk, a failed download)
+    reaches the rank waiting for it, at once and in its words, instead of that rank's wait timing out."""
+    from accelerate import notebook_launcher
+
+    notebook_launcher(crash_on_rank_0_while_preparing, (tmp_path,), num_processes=2, use_port=free_port())
+    assert (tmp_path / "rank-0").read_text() == "OSError: No space left on device"
+    assert (tmp_path / "rank-1").read_text() == "UserError: rank 0: OSError: No space left on device"
+
+
 @pytest.mark.parametrize("data_timeout", [60, None], ids=["own timeout", "the run's timeout"])
 def test_the_wait_for_data_preparation_outlasts_the_training_timeout(tmp_path, data_timeout):
     """--data_preparation_timeout: the ranks waiting for rank 0's data wait on a group with their own, longer
