@@ -8,7 +8,8 @@ all-reduce. The ranks then take the smallest size any of them found. FSDP and De
 `prepare()`: there is no safe probe before it, and one inside would run out of memory within their collectives.
 """
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,25 +41,27 @@ def fit_batch_sizes(sizes: BatchSizes, accelerator, model, splits, collator, tas
             "model as it trains: leave it off and set --per_device_train_batch_size yourself"
         )
     model.to(accelerator.device)  # where prepare() would put it
+    probe = _Probe(accelerator, model, collator, task)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    sizes = _fit_train_batch_size(sizes, accelerator, model, splits["train"], collator, task, resume_path, trainable)
+    sizes = _fit_train_batch_size(sizes, probe, splits["train"], resume_path, trainable)
     accelerator.gradient_accumulation_steps = sizes.gradient_accumulation_steps
-    return _fit_eval_batch_size(sizes, accelerator, model, splits["validation"], collator, task, trainable)
+    return _fit_eval_batch_size(sizes, probe, splits["validation"], trainable)
 
 
-def _fit_train_batch_size(sizes, accelerator, model, dataset, collator, task, resume_path, trainable) -> BatchSizes:
+def _fit_train_batch_size(sizes, probe, dataset, resume_path, trainable: int) -> BatchSizes:
     requested, accumulation = sizes.per_device_train_batch_size, sizes.gradient_accumulation_steps
     if resume_path is not None:
         saved = read_checkpoint_args(resume_path)
         found = saved.get("per_device_train_batch_size"), saved.get("gradient_accumulation_steps")
         if all(isinstance(n, int) for n in found) and found[0] * found[1] == requested * accumulation:
             why = f"the batch size found when the run started (checkpoint {resume_path})"
-            return _use(sizes, accelerator, *found, why)
+            return _use(sizes, probe.accelerator, *found, why)
         return sizes  # different totals (or an unreadable checkpoint): loading the checkpoint says what is wrong
     # A training step holds AdamW's two fp32 moments per trainable weight (made at the first real step) and, on
     # more than one process, DDP's gradient buckets (a copy of the gradients): the probe runs without DDP.
-    reserve = 2 * trainable + (trainable if accelerator.num_processes > 1 else 0)
-    size, longest = _largest_that_fits(accelerator, model, dataset, collator, task, reserve, requested, True)
+    reserve = 2 * trainable + (trainable if probe.accelerator.num_processes > 1 else 0)
+    size = probe.largest_that_fits(dataset, requested, reserve, train=True)
+    longest = int(lengths_of(dataset).max())
     if size == 0:
         raise UserError(
             f"--auto_find_batch_size: even 1 example of {longest} tokens per device runs out of memory; lower "
@@ -68,14 +71,15 @@ def _fit_train_batch_size(sizes, accelerator, model, dataset, collator, task, re
         logger.info(f"--auto_find_batch_size: {requested} examples of up to {longest} tokens per device fit in memory")
         return sizes
     why = f"{requested} examples of up to {longest} tokens per device do not fit in memory"
-    return _use(sizes, accelerator, size, accumulation * (requested // size), why)
+    return _use(sizes, probe.accelerator, size, accumulation * (requested // size), why)
 
 
-def _fit_eval_batch_size(sizes, accelerator, model, dataset, collator, task, trainable) -> BatchSizes:
+def _fit_eval_batch_size(sizes, probe, dataset, trainable: int) -> BatchSizes:
     """Evaluation runs between training steps, beside AdamW's moments: a decoder LLM that trains fine can run out of
     memory at its first evaluation. Halving only: the evaluation batch has no accumulation to make up for it."""
     requested = sizes.per_device_eval_batch_size
-    size, longest = _largest_that_fits(accelerator, model, dataset, collator, task, 2 * trainable, requested, False)
+    size = probe.largest_that_fits(dataset, requested, 2 * trainable, train=False)
+    longest = int(lengths_of(dataset).max())
     if size == 0:
         raise UserError(
             f"--auto_find_batch_size: even 1 validation example of {longest} tokens per device runs out of memory "
@@ -87,17 +91,6 @@ def _fit_eval_batch_size(sizes, accelerator, model, dataset, collator, task, tra
             f"in memory; evaluating with --per_device_eval_batch_size {size}"
         )
     return replace(sizes, per_device_eval_batch_size=size)
-
-
-def _largest_that_fits(accelerator, model, dataset, collator, task, reserve: int, requested: int, train: bool):
-    """(the largest size, from `requested` down, whose step on the longest rows fits on every rank, 0 if not even 1
-    does; the longest row's tokens). Training sizes stay divisors of `requested` (`next_smaller`); evaluation halves."""
-    size = requested
-    while size and not _step_fits(model, _longest_batch(dataset, collator, size), task, accelerator, reserve, train):
-        clear_device_cache(garbage_collection=True)  # the failed attempt's tensors, freed with its traceback
-        size = next_smaller(size, requested) if train else size // 2
-    size = int(accelerator.gather(torch.tensor([size], device=accelerator.device)).min())  # all ranks take the same
-    return size, int(lengths_of(dataset).max())
 
 
 def _use(sizes: BatchSizes, accelerator, size: int, accumulation: int, why: str) -> BatchSizes:
@@ -112,32 +105,50 @@ def _use(sizes: BatchSizes, accelerator, size: int, accumulation: int, why: str)
     return replace(sizes, per_device_train_batch_size=size, gradient_accumulation_steps=accumulation)
 
 
-def _longest_batch(dataset, collator, size) -> dict:
-    longest = np.argsort(-lengths_of(dataset), kind="stable")[:size].tolist()
-    rows = dataset.select(longest).remove_columns([INDEX_COLUMN, LENGTH_COLUMN])
-    return collator([row for row in rows])
+@dataclass(frozen=True)
+class _Probe:
+    """Steps on the longest rows, through the loop's own collator and `task.step`, before `prepare()`."""
 
+    accelerator: Any
+    model: Any
+    collator: Any
+    task: Any
 
-def _step_fits(model, batch, task, accelerator, reserve: int, train: bool) -> bool:
-    """Whether one step on `batch` fits in memory beside `reserve` fp32 values held elsewhere: a training step
-    (forward, backward, gradients) or an evaluation step (forward without gradients), through the loop's own
-    `task.step`. The RNG (dropout) is left as it was, and the model in training mode without gradients."""
-    batch = {key: value.to(accelerator.device) for key, value in batch.items()}
-    device = accelerator.device
-    model.train(train)
-    try:
-        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
-            reserved = torch.empty(reserve, dtype=torch.float32, device=device)
-            with torch.set_grad_enabled(train), accelerator.autocast():
-                loss = task.step(model, batch).loss
-            if train:
-                loss.backward()
-            del reserved, loss
-        return True
-    except Exception as err:  # only out-of-memory errors mean "smaller"; anything else is a real failure
-        if not should_reduce_batch_size(err):
-            raise
-        return False
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.train()
+    def largest_that_fits(self, dataset, requested: int, reserve: int, train: bool) -> int:
+        """The largest size, from `requested` down, whose step fits on every rank (0 if not even 1 does). Training
+        sizes stay divisors of `requested` (`next_smaller`); evaluation sizes halve."""
+        size = requested
+        while size and not self.step_fits(self.longest_batch(dataset, size), reserve, train):
+            clear_device_cache(garbage_collection=True)  # the failed attempt's tensors, freed with its traceback
+            size = next_smaller(size, requested) if train else size // 2
+        device = self.accelerator.device
+        return int(self.accelerator.gather(torch.tensor([size], device=device)).min())  # every rank takes the same
+
+    def longest_batch(self, dataset, size: int) -> dict:
+        longest = np.argsort(-lengths_of(dataset), kind="stable")[:size].tolist()
+        rows = dataset.select(longest).remove_columns([INDEX_COLUMN, LENGTH_COLUMN])
+        return self.collator([row for row in rows])
+
+    def step_fits(self, batch, reserve: int, train: bool) -> bool:
+        """Whether one step on `batch` fits in memory beside `reserve` fp32 values held elsewhere: a training step
+        (forward, backward, gradients) or an evaluation step (forward without gradients). The RNG (dropout) is left
+        as it was, and the model in training mode without gradients."""
+        device, model = self.accelerator.device, self.model
+        batch = {key: value.to(device) for key, value in batch.items()}
+        model.train(train)
+        try:
+            with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+                reserved = torch.empty(reserve, dtype=torch.float32, device=device)
+                with torch.set_grad_enabled(train), self.accelerator.autocast():
+                    loss = self.task.step(model, batch).loss
+                if train:
+                    loss.backward()
+                del reserved, loss
+            return True
+        except Exception as err:  # only out-of-memory errors mean "smaller"; anything else is a real failure
+            if not should_reduce_batch_size(err):
+                raise
+            return False
+        finally:
+            model.zero_grad(set_to_none=True)
+            model.train()
