@@ -57,7 +57,7 @@ def load_split(args, keep_linebreaks: bool = True) -> Dataset:
         if name is None:
             raise UserError(f"--split {args.split}: {args.dataset_name} has only {', '.join(splits)}")
         data = splits[name]
-    return data.select(range(min(args.max_eval_samples, len(data)))) if args.max_eval_samples else data
+    return data.take(args.max_eval_samples) if args.max_eval_samples else data
 
 
 def main(args):

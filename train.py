@@ -96,7 +96,9 @@ def load_data_and_model(args, accelerator):
             logger.info(f"--task auto: {cls.name}, for {why}")
         else:
             cls = task_class(args.task)
-        task = cls.from_data(args, train)
+        task = cls.from_data(args, train)  # labels from the whole split, as transformers' run_*.py scripts
+        if args.max_train_samples:
+            raw["train"] = train.take(args.max_train_samples)
         tokenizer = task.load_tokenizer(args.tokenizer_name, args)
     with errors_reach_every_rank(accelerator, args.data_preparation_timeout):
         model = task.build_model(args, tokenizer, accelerator.mixed_precision)

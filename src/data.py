@@ -83,7 +83,8 @@ def pick_split(splits: DatasetDict, split: str) -> str | None:
 
 def load_raw_splits(args) -> DatasetDict:
     """The 'train' and 'validation' splits that train.py asks for (the demo task when no data is named), and
-    any further validation split evaluated at the end ('validation_mm': MNLI's mismatched one)."""
+    any further validation split evaluated at the end ('validation_mm': MNLI's mismatched one). The training split
+    is whole: the task takes its labels from all of it, and train.py keeps --max_train_samples rows after."""
     if args.task_name and not args.train_file:
         text, pair, _, _ = GLUE_TASKS[args.task_name]
         columns = ", ".join(c for c in (text, pair, "label") if c)
@@ -109,11 +110,9 @@ def load_raw_splits(args) -> DatasetDict:
     if "validation" not in splits:
         held_out = splits["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=args.seed)
         splits = DatasetDict(train=held_out["train"], validation=held_out["test"])
-    if args.max_train_samples:
-        splits["train"] = splits["train"].select(range(min(args.max_train_samples, len(splits["train"]))))
     for name in splits:
         if name.startswith("validation") and args.max_eval_samples:
-            splits[name] = splits[name].select(range(min(args.max_eval_samples, len(splits[name]))))
+            splits[name] = splits[name].take(args.max_eval_samples)
     if args.task_name and args.train_file:
         text, pair, _, _ = GLUE_TASKS[args.task_name]
         found = splits["train"].column_names

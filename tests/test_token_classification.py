@@ -134,10 +134,19 @@ def test_three_ranks_gather_every_example_once_as_one_rank_does(ner_run, tmp_pat
 
 
 def test_plain_tags_are_scored_per_word(tmp_path, tiny_model):
-    train = jsonl_rows(UD / "train.jsonl", 48, tmp_path)
-    dev = jsonl_rows(UD / "train.jsonl", 16, tmp_path)  # tags the training rows have (17 UPOS tags, not all in 48)
-    results = run_in_process("train", train_args(tiny_model, train, dev, tmp_path / "out", "--num_train_epochs", "1"))
+    """Also: the tags are those of the whole training file, as in transformers' run_ner.py, not only of the rows
+    that --max_train_samples keeps (UD's INTJ first appears after the 48th row)."""
+    train = jsonl_rows(UD / "train.jsonl", 200, tmp_path)
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    interjection = next(row for row in rows[48:] if "INTJ" in row["upos"])
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("".join(json.dumps(row) + "\n" for row in [*rows[:16], interjection]))
+    argv = train_args(tiny_model, train, dev, tmp_path / "out", "--num_train_epochs", "1", "--max_train_samples", "48")
+    results = run_in_process("train", argv)
     assert {"eval_accuracy", "eval_f1"} <= set(results) and "eval_precision" not in results
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert sorted(config["label2id"]) == sorted({tag for row in rows for tag in row["upos"]})
+    assert results["eval_samples"] == 17
     record = json.loads((tmp_path / "out" / "args.json").read_text())
     assert record["metric_for_best_model"] == "accuracy" and record["label_column"] == "upos"
     assert record["max_length"] == 64  # the task's default of 128, capped by the tiny model's 64 positions

@@ -80,7 +80,7 @@ class SequenceClassification(Task):
                 )
             raise UserError(
                 f"the training rows' label column {label_column!r} holds {only}: classification needs at least 2 "
-                "(check the file and --max_train_samples; float labels train a regression)"
+                "(check the file; float labels train a regression)"
             )
         if args.class_weights == "balanced":
             if task.is_regression:
