@@ -22,7 +22,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from src.args import parse_train_args
+from src.args import parse_train_args, refuse_other_tasks_flags
 from src.batch_size import fit_batch_sizes
 from src.checkpoint import (
     check_output_dir,
@@ -94,6 +94,7 @@ def load_data_and_model(args, accelerator):
         if args.task == "auto":
             cls, why = detect_task(train)
             logger.info(f"--task auto: {cls.name}, for {why}")
+            refuse_other_tasks_flags(args, cls)
         else:
             cls = task_class(args.task)
         task = cls.from_data(args, train)  # labels from the whole split, as transformers' run_*.py scripts

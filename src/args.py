@@ -537,6 +537,19 @@ def parse_train_args(argv: list[str] | None = None) -> Flags:
     return Flags(vars(validate_train_args(parser, parse_args(parser, argv))))
 
 
+def refuse_other_tasks_flags(args, chosen) -> None:
+    """--task auto registers every listed task's flags; once the data has chosen the task, a flag of another task
+    that was set would be silently ignored (--packing on a classifier, --class_weights on a tagger): refused."""
+    shared = {action.dest for action in build_train_parser([chosen])._actions}
+    for cls in map(task_class, TASKS):
+        for action in build_train_parser([cls])._actions:
+            if action.dest not in shared and getattr(args, action.dest, action.default) != action.default:
+                raise UserError(
+                    f"{action.option_strings[0]} is a flag of the {cls.name} task, and --task auto found "
+                    f"{chosen.name} for this data, which does not read it: drop it, or name the task with --task"
+                )
+
+
 def _task_spec(words: list[str]) -> str:
     """--task from the command line, else from the --config file, else auto: the task decides which flags exist."""
     pre = ArgumentParser(prog="train.py", add_help=False)

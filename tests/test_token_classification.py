@@ -90,6 +90,19 @@ def test_a_task_that_does_not_fit_the_data_is_one_line(tmp_path, tiny_model):
                                  "token-classification"])  # fmt: skip
 
 
+def test_a_flag_of_another_task_than_the_one_found_is_refused(tmp_path, tiny_model):
+    """--task auto accepts every listed task's flags; the one the data picks must not silently ignore another's."""
+    train = jsonl_rows(UNER / "train.jsonl", 20, tmp_path)
+    sentences = tmp_path / "s.csv"
+    sentences.write_text("text,label\nhello,a\nbye,b\n")
+    for data, flag, owner, found in [(train, ["--class_weights", "balanced"], "sequence-classification",
+                                      "token-classification"),
+                                     (sentences, ["--packing"], "causal-lm", "sequence-classification")]:  # fmt: skip
+        with pytest.raises(UserError, match=f"{flag[0]} is a flag of the {owner} task, and --task auto found {found}"):
+            run_in_process("train", [*train_args(tiny_model, data, data, tmp_path / "o"), *flag])
+        assert not (tmp_path / "o").exists()
+
+
 @pytest.fixture(scope="module")
 def ner_run(tmp_path_factory, tiny_model):
     folder = tmp_path_factory.mktemp("ner")
