@@ -1,5 +1,6 @@
 """Distributed evaluation: every example counted exactly once, results returned in row order, for any task."""
 
+import numpy as np
 import torch
 
 from src.loaders import INDEX_COLUMN
@@ -10,8 +11,8 @@ PAD = -100
 
 
 def evaluate(model, dataloader, accelerator, task) -> tuple[dict, dict]:
-    """(metrics prefixed 'eval_', the per-example outputs of `task.step` in row order) over the whole dataset, on any
-    number of processes.
+    """(metrics prefixed 'eval_', the per-example outputs of `task.step` in row order, with each row's number in
+    'index') over the whole dataset, on any number of processes.
 
     The distributed sampler pads the last batches with repeated examples so that every rank gets the same number;
     `gather_for_metrics` drops those repeats, `pad_across_processes` evens out outputs whose length differs from rank
@@ -31,7 +32,9 @@ def evaluate(model, dataloader, accelerator, task) -> tuple[dict, dict]:
     columns = {key: _concatenate(values) for key, values in parts.items()}
     order = torch.argsort(columns["index"])
     columns = {key: value[order] for key, value in columns.items()}
-    if not torch.equal(columns["index"], torch.arange(len(dataloader.dataset))):
+    # The data rows' numbers, each once (a task may have dropped rows: a causal LM's prompt that fills max_length).
+    expected = torch.as_tensor(np.sort(dataloader.dataset.with_format("numpy")[INDEX_COLUMN][:]))
+    if not torch.equal(columns["index"], expected):
         raise RuntimeError("evaluation did not see every example exactly once; please report this as a bug")
 
     metrics = {"eval_samples": len(order)}

@@ -174,7 +174,7 @@ def test_examples_with_nothing_to_learn_are_dropped_and_counted(tokenizer, caplo
     with caplog.at_level("WARNING"):
         rows = CausalLM(PROMPT_COMPLETION).features(data, tokenizer, 16)
     assert "1 of 2 examples have nothing to learn within --max_length 16" in caplog.text
-    assert len(rows) == 1 and rows[0]["example_index"] == 0
+    assert len(rows) == 1 and rows[0]["example_index"] == 1  # its data row: predictions.csv's index
 
 
 def test_the_model_card_shows_how_to_generate_and_that_runs(tmp_path, tiny_decoders):

@@ -62,6 +62,21 @@ def answers_alone(model_dir, prompts: list[str], num_beams: int) -> list[str]:
     return answers
 
 
+def test_predictions_keep_the_data_rows_numbers_when_rows_are_dropped(trained_lm, tmp_path):
+    """evaluate.py: a prompt that fills --max_length leaves nothing to score and its row is dropped; the other rows
+    keep their data row's number in predictions.csv, each with its own loss (that of the same row evaluated alone)."""
+    rows = [json.loads(line) for line in trained_lm["dev"].read_text().splitlines()][:3]
+    rows[1]["prompt"] = " ".join([rows[1]["prompt"]] * 6)
+    written = {}
+    for name, data in [("all", rows), ("kept", [rows[0], rows[2]])]:
+        dev = write_rows(tmp_path / f"{name}.jsonl", data)
+        run_in_process("evaluate", ["--model_name_or_path", str(trained_lm["model"]), "--validation_file", str(dev),
+                                    "--output_dir", str(tmp_path / name), "--max_length", "24"])  # fmt: skip
+        written[name] = predictions(tmp_path / name)
+    assert [row["index"] for row in written["all"]] == ["0", "2"]
+    assert [row["loss"] for row in written["all"]] == [row["loss"] for row in written["kept"]]
+
+
 @pytest.mark.parametrize("num_beams", [1, 2])
 def test_each_prompts_answer_is_what_the_model_generates_for_it_alone(trained_lm, tmp_path, num_beams):
     """Batches of 3 prompts of different lengths, sorted by length: each answer lands on its own row, and left padding

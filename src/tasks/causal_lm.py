@@ -171,8 +171,7 @@ class CausalLM(Task):
             dropped = f"{len(features) - len(kept)} of {len(features)} examples"
             logger.warning(f"{dropped} have nothing to learn within --max_length {max_length} tokens (the prompt "
                            "fills them): dropped; raise --max_length")  # fmt: skip
-            kept = kept.map(lambda row, i: {INDEX_COLUMN: i}, with_indices=True, desc="Numbering")  # row order anew
-        return kept
+        return kept  # each example keeps its data row's number: predictions.csv's index
 
     def training_rows(self, features: Dataset, max_length: int) -> Dataset:
         if not self.packing:
