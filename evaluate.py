@@ -20,6 +20,7 @@ from accelerate.logging import get_logger
 from datasets import Dataset
 
 from src.args import Flags, build_eval_parser, parse_args
+from src.checkpoint import STATE_FILE
 from src.data import load_file, load_hub_dataset, pick_split
 from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli
 from src.evaluation import evaluate
@@ -43,8 +44,12 @@ def parse_eval_args(argv=None):
         parser.error("--model_name_or_path is required: a train.py output folder")
     if bool(args.validation_file) == bool(args.dataset_name):
         parser.error("give exactly one of --validation_file or --dataset_name")
-    if args.output_dir is None and not Path(args.model_name_or_path).is_dir():
-        parser.error("--output_dir is needed when --model_name_or_path is not a local folder")
+    model = Path(args.model_name_or_path)
+    if (model / STATE_FILE).is_file():  # accelerate's state, without the config that from_pretrained reads
+        parser.error(f"--model_name_or_path {model} is a checkpoint, for train.py --resume_from_checkpoint; evaluate "
+                     f"its run's output folder ({model.parent}) once the run has finished")  # fmt: skip
+    if args.output_dir is None and not model.is_dir():
+        parser.error(f"--model_name_or_path {model} is no local folder (a Hub model needs --output_dir for results)")
     return Flags(vars(args))
 
 

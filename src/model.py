@@ -216,6 +216,11 @@ def check_tied_as_configured(model, name_or_path):
         )
 
 
+def load_trained_config(model_dir, trust_remote_code: bool = False, **fields):
+    """The config of a model to evaluate (a train.py output folder), with a one-line error if there is none."""
+    return _load("model config", AutoConfig.from_pretrained, model_dir, trust_remote_code=trust_remote_code, **fields)
+
+
 def load_trained_model(
     auto_class, model_dir: str, pad_token_id=None, mixed_precision="no", trust_remote_code=False, new_head=True
 ):
@@ -230,7 +235,7 @@ def load_trained_model(
         adapter = load_adapter_folder(auto_class, model_dir, dtype, pad_token_id, trust_remote_code, new_head)
         return _without_kv_cache(adapter)
     fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
-    config = _load("model config", AutoConfig.from_pretrained, model_dir, trust_remote_code=trust_remote_code, **fields)
+    config = load_trained_config(model_dir, trust_remote_code, **fields)
     model = empty_on_this_rank(auto_class, config, torch.float32, trust_remote_code)
     if model is None:  # rank 0 checks the head below; evaluate.py raises its error on every rank
         model, info = _load(

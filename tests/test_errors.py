@@ -107,6 +107,22 @@ def test_evaluating_a_model_without_a_fine_tuned_head(tmp_path, tiny_data):
         evaluate_script.main(args)
 
 
+def test_evaluating_a_folder_that_is_not_a_model_is_one_line(tmp_path, tiny_data, capsys):
+    """A mistyped folder (read as a Hub name, offline here), and a training checkpoint (accelerate's state, no
+    config)."""
+    missing = ["--model_name_or_path", str(tmp_path / "typo"), "--validation_file", str(tiny_data[1])]
+    with pytest.raises(evaluate_script.UserError, match=r"typo: cannot load a model config"):
+        evaluate_script.main(evaluate_script.parse_eval_args([*missing, "--output_dir", str(tmp_path / "e")]))
+    checkpoint = tmp_path / "run" / "checkpoint-4"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "training_state.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        evaluate_script.parse_eval_args(["--model_name_or_path", str(checkpoint), *missing[2:]])
+    expected = "is a checkpoint, for train.py --resume_from_checkpoint; evaluate its run's output folder"
+    expected += f" ({checkpoint.parent})"
+    assert expected in capsys.readouterr().err
+
+
 def test_resume_with_other_batching_settings_is_refused(tmp_path, tiny_model, tiny_data):
     out = tmp_path / "out"
     train.main(train.parse_train_args(train_args(tiny_model, *tiny_data, out, "--checkpointing_steps", "4")))

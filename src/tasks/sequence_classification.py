@@ -113,9 +113,9 @@ class SequenceClassification(Task):
     @staticmethod
     def trained_labels(model_dir, args) -> tuple[str, list[str]]:
         """(problem type, label names) of a trained model, from its config."""
-        from transformers import AutoConfig
+        from src.model import load_trained_config
 
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
+        config = load_trained_config(model_dir, args.trust_remote_code)
         if config.problem_type == REGRESSION or config.num_labels == 1:
             return REGRESSION, []
         names = [config.id2label[i] for i in range(config.num_labels)]

@@ -64,9 +64,9 @@ class TokenClassification(Task):
 
     @classmethod
     def from_record(cls, record: dict, args, model_dir, column_names: list[str]) -> "TokenClassification":
-        from transformers import AutoConfig
+        from src.model import load_trained_config
 
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
+        config = load_trained_config(model_dir, args.trust_remote_code)
         names = tuple(config.id2label[i] for i in range(config.num_labels))
         words = args.text_column or record.get("text_column")
         tags = args.label_column or record.get("label_column")
