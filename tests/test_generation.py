@@ -77,6 +77,15 @@ def test_predictions_keep_the_data_rows_numbers_when_rows_are_dropped(trained_lm
     assert [row["loss"] for row in written["all"]] == [row["loss"] for row in written["kept"]]
 
 
+def test_chat_rows_for_a_model_trained_without_a_chat_template_are_one_line(trained_lm, tmp_path):
+    """evaluate.py has no --chat_template_path: its error must not send the user to that flag."""
+    dev = write_rows(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                             {"role": "assistant", "content": "good"}]}])  # fmt: skip
+    argv = ["--model_name_or_path", str(trained_lm["model"]), "--validation_file", str(dev), "--output_dir", "e"]
+    with pytest.raises(UserError, match="no chat template to render `messages` with: it was trained on other rows"):
+        run_in_process("evaluate", argv)
+
+
 @pytest.mark.parametrize("num_beams", [1, 2])
 def test_each_prompts_answer_is_what_the_model_generates_for_it_alone(trained_lm, tmp_path, num_beams):
     """Batches of 3 prompts of different lengths, sorted by length: each answer lands on its own row, and left padding
