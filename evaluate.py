@@ -114,6 +114,9 @@ def main(args):
         f"process(es), batch size {args.per_device_eval_batch_size} per process"
     )
     metrics, columns = evaluate(model, dataloader, accelerator, task)
+    if "eval_loss" not in metrics:  # e.g. a label column of another name than in training
+        logger.warning(f"the data has no labels for {task.describe()} (its columns: {', '.join(data.column_names)}): "
+                       "predictions only, no metrics; name the label column with --label_column")  # fmt: skip
     generations = None
     if prompts is not None:
         logger.info(f"Generating up to {args.generation_max_length} tokens for each of {len(prompts)} prompts")
@@ -141,7 +144,7 @@ def write_results(output_dir: Path, metrics: dict, columns: dict, task, data, ge
         writer.writerows(zip(*rows.values()))
     written = ["eval_results.json", "predictions.csv", *task.write_pictures(columns, output_dir)]
     summary = ", ".join(f"{k} = {v:.4f}" for k, v in metrics.items() if k != "eval_samples")
-    logger.info(f"{summary}\nWrote {', '.join(written)} to {output_dir.resolve()}")
+    logger.info(f"{summary or 'No metrics'}\nWrote {', '.join(written)} to {output_dir.resolve()}")
 
 
 if __name__ == "__main__":

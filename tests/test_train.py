@@ -193,6 +193,16 @@ def test_evaluate_script_writes_results_predictions_and_picture(trained_tiny_mod
     assert pictures == [counts] and sum(map(sum, counts)) == 37
 
 
+def test_evaluating_data_without_the_label_column_says_so(trained_tiny_model, tmp_path, caplog):
+    """A label column of another name than in training: predictions only, and a warning that names the fix."""
+    rows = [{"sentence": r["sentence"], "sentiment": r["label"]} for r in sentiment_rows(5, seed=2)]
+    data = write_rows(tmp_path / "dev.csv", rows)
+    with caplog.at_level("WARNING"):
+        run_evaluate("--model_name_or_path", trained_tiny_model, "--validation_file", data, "--output_dir", tmp_path)
+    assert json.loads((tmp_path / "eval_results.json").read_text()) == {"eval_samples": 5}
+    assert "(its columns: sentence, sentiment): predictions only, no metrics; name the label column" in caplog.text
+
+
 def test_evaluate_pads_batches_as_train_does(tiny_model, tmp_path, monkeypatch):
     """Multiples of 8 on CUDA (for tensor cores), in both scripts, from one helper. No GPU here: the helper is asked
     about this machine's device and answers as on CUDA; every batch either script builds then comes out so."""

@@ -70,6 +70,8 @@ class TokenClassification(Task):
         names = tuple(config.id2label[i] for i in range(config.num_labels))
         words = args.text_column or record.get("text_column")
         tags = args.label_column or record.get("label_column")
+        if args.label_column and args.label_column not in column_names:
+            raise UserError(f"--label_column {tags!r} is not in the data; its columns are: {', '.join(column_names)}")
         columns = (words, tags if tags in column_names else None)
         if words not in column_names:
             raise UserError(f"the data has no column {words!r} of words (its columns: {', '.join(column_names)})")
