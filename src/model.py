@@ -121,6 +121,7 @@ def load_config(args, fields: dict, tokenizer, decoder: bool = False):
             except ValueError as err:
                 raise UserError(f"--config_overrides {args.config_overrides!r}: {err}; give name=value pairs "
                                 "separated by commas, e.g. num_hidden_layers=2,hidden_size=128") from err  # fmt: skip
+            _check_head_counts(config, args.config_overrides)
         # Its embeddings and special tokens are the tokenizer's, whatever tokenizer the config came with.
         special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         config.update({**fields, "vocab_size": len(tokenizer), **special})
@@ -129,6 +130,17 @@ def load_config(args, fields: dict, tokenizer, decoder: bool = False):
                        "attention), as a causal LM must not see the tokens it predicts")  # fmt: skip
         config.is_decoder = True
     return config
+
+
+def _check_head_counts(config, overrides: str):
+    """Sizes that --config_overrides changed one at a time must still divide, or the first forward pass fails deep in
+    the attention code (Llama's default of 32 key/value heads stays when only num_attention_heads is lowered)."""
+    names = ("hidden_size", "num_attention_heads", "num_key_value_heads")
+    for whole, part in zip(names, names[1:]):  # each a multiple of the next
+        big, small = getattr(config, whole, None), getattr(config, part, None)
+        if isinstance(big, int) and isinstance(small, int) and (small > big or big % small):
+            raise UserError(f"--config_overrides {overrides!r}: {whole} {big} is not a multiple of {part} {small}; "
+                            f"set {part} too (the architecture's default is kept otherwise)")  # fmt: skip
 
 
 def load_model(

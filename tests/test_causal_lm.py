@@ -311,6 +311,18 @@ def test_a_new_models_config_and_tokenizer_errors_name_their_flags(tiny_decoders
     new = dict(model_name_or_path=None, trust_remote_code=False, config_name=None, model_type="llama")
     with pytest.raises(UserError, match=r"--config_overrides 'layers': .* give name=value pairs separated by commas"):
         load_config(types.SimpleNamespace(**new, config_overrides="layers"), {}, tokenizer)
+
+    def new_config(model_type, overrides):
+        return load_config(types.SimpleNamespace(**(new | {"model_type": model_type}), config_overrides=overrides),
+                           {}, tokenizer)  # fmt: skip
+
+    # Llama's 32 key/value heads stay when only the attention heads are lowered; GPT-2 spells its sizes n_embd, n_head.
+    with pytest.raises(UserError, match="num_attention_heads 4 is not a multiple of num_key_value_heads 32; set"):
+        new_config("llama", "hidden_size=64,num_attention_heads=4")
+    with pytest.raises(UserError, match="'n_embd=60,n_head=8': hidden_size 60 is not a multiple of num_attention_he"):
+        new_config("gpt2", "n_embd=60,n_head=8")
+    config = new_config("llama", "hidden_size=64,num_attention_heads=4,num_key_value_heads=2")
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (64, 4, 2)
     missing = str(tmp_path / "missing")
     with pytest.raises(UserError, match=f"--config_name {missing}: cannot load a model config"):
         load_config(types.SimpleNamespace(**(new | {"config_name": missing}), config_overrides=None), {}, tokenizer)
