@@ -177,13 +177,20 @@ def test_examples_with_nothing_to_learn_are_dropped_and_counted(tokenizer, caplo
     assert len(rows) == 1 and rows[0]["example_index"] == 1  # its data row: predictions.csv's index
 
 
-def test_the_model_card_shows_how_to_generate_and_that_runs(tmp_path, tiny_decoders):
+def test_the_model_card_shows_how_to_generate_and_that_runs(tmp_path, tiny_decoders, tiny_model):
     rows = [{"prompt": "the plot was", "completion": "good"}] * 8
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(row) + "\n" for row in rows))
     run_in_process("train", train_args(tiny_decoders["llama"], train, train, tmp_path / "out", "--max_length", "16"))
     printed = run_model_card_snippet(tmp_path / "out")  # the prompt ("Hello": <unk> to the tiny vocabulary) and more
     assert printed.startswith("<s> <unk>") and len(printed.split()) > 2, printed
+    # A new Llama with a BERT tokenizer (as the docs build one offline): its saved tokenizer gives no token_type_ids,
+    # which generate() refuses for a model that has none.
+    small = "hidden_size=32,intermediate_size=64,num_hidden_layers=1,num_attention_heads=2,num_key_value_heads=1"
+    new = ["--model_type", "llama", "--config_overrides", small, "--tokenizer_name", str(tiny_model)]
+    run_in_process("train", [*train_args(None, train, train, tmp_path / "new", "--max_length", "16")[2:], *new])
+    printed = run_model_card_snippet(tmp_path / "new")  # "Hello" is [UNK] to the tiny vocabulary too
+    assert printed.startswith("[CLS] [UNK] [SEP]") and len(printed.split()) > 3, printed
 
 
 def test_a_global_batch_gives_the_same_update_however_it_is_split(tiny_decoders, tmp_path):

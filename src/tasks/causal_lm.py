@@ -126,6 +126,9 @@ class CausalLM(Task):
         tokenizer = super().load_tokenizer(name_or_path, args)
         if tokenizer.eos_token is None:  # an encoder's (BERT's) tokenizer, for a model made a decoder: [SEP] ends
             tokenizer.eos_token = tokenizer.sep_token
+        if "token_type_ids" in tokenizer.model_input_names:  # BERT's again: generate() refuses them for a decoder
+            names = [name for name in tokenizer.model_input_names if name != "token_type_ids"]
+            tokenizer.model_input_names = tokenizer.init_kwargs["model_input_names"] = names  # init_kwargs are saved
         if self.chat_template:
             tokenizer.chat_template = self.chat_template
         if self.format != CHAT:
