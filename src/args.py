@@ -479,7 +479,9 @@ def _read_config(parser: ArgumentParser, path: Path) -> dict:
 
 def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
     """The YAML file's keys and values as command-line words, checked against the parser's flags."""
-    actions = {action.dest: action for action in parser._actions if action.option_strings}
+    # Every spelling of a flag (text_column and text_column_name, max_length and block_size) is a key.
+    actions = {option[2:]: action for action in parser._actions for option in action.option_strings
+               if option.startswith("--")}  # fmt: skip
     words = []
     for key, value in _read_config(parser, path).items():
         if key not in actions or key in ("config", "help"):

@@ -70,6 +70,15 @@ def test_yaml_config_is_read_and_the_command_line_wins(tmp_path):
     config.write_text("learning_rate: 1.0e-4\nnum_train_epochs: 5\ngroup_by_length: false\nreport_to: none\n")
     args = parse("--config", str(config), "--num_train_epochs", "2")
     assert (args.learning_rate, args.num_train_epochs, args.group_by_length, args.report_to) == (1e-4, 2, False, "none")
+    # The transformers examples' spellings are keys too, as they are flags.
+    config.write_text("text_column_name: review\nlabel_column_name: stars\nblock_size: 64\nkeep_linebreaks: false\n")
+    args = parse("--config", str(config))
+    assert (args.text_column, args.label_column, args.max_length, args.keep_linebreaks) == (
+        "review",
+        "stars",
+        64,
+        False,
+    )
 
 
 @pytest.mark.parametrize(
