@@ -125,4 +125,7 @@ def choose_precision(requested: str | None, on_cpu: bool, saved: str | None = No
     decision = [default_precision(on_cpu) if state.is_main_process else None]
     if state.num_processes > 1:
         broadcast_object_list(decision)
-    return tuple(decision[0])
+    precision, why = decision[0]
+    if precision != "no" and configured == "no" and "ACCELERATE_MIXED_PRECISION" in os.environ:
+        why += "; a launcher's mixed_precision 'no' is its default too, so no choice: for fp32, pass it to train.py"
+    return precision, why
