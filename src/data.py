@@ -125,6 +125,10 @@ def load_raw_splits(args) -> DatasetDict:
             )
         for name in splits:
             splits[name] = glue_labels(splits[name], args.task_name, args.label_column)
+    found = splits["train"].column_names
+    for flag in ("text_column", "text_pair_column", "label_column"):  # whatever task the data turns out to be
+        if getattr(args, flag) not in (None, *found):
+            raise UserError(f"--{flag} {getattr(args, flag)!r} is not in the data; its columns are: {', '.join(found)}")
     return splits
 
 

@@ -88,6 +88,9 @@ def test_a_task_that_does_not_fit_the_data_is_one_line(tmp_path, tiny_model):
     with pytest.raises(UserError, match="token classification needs a column of word lists .* text \\(Value"):
         run_in_process("train", [*train_args(tiny_model, sentences, sentences, tmp_path / "p"), "--task",
                                  "token-classification"])  # fmt: skip
+    # A column name that the data does not have is named, whichever task the other columns suggest.
+    with pytest.raises(UserError, match="--text_column 'words' is not in the data; its columns are: tokens, ner_tags"):
+        run_in_process("train", [*train_args(tiny_model, train, train, tmp_path / "q"), "--text_column", "words"])
 
 
 def test_a_flag_of_another_task_than_the_one_found_is_refused(tmp_path, tiny_model):
