@@ -30,6 +30,11 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
 
     def error(self, message):
+        if message.startswith("unrecognized arguments: "):  # a flag of Trainer's or of another script, a typo
+            known = [option for action in self._actions for option in action.option_strings]
+            close = {word: difflib.get_close_matches(word.split("=")[0], known, n=1) for word in message.split()[2:]}
+            hints = [f"{word} -> {match[0]}" for word, match in close.items() if word.startswith("--") and match]
+            message += f"; did you mean {', '.join(hints)}?" if hints else ""
         # argparse's default prints the whole usage block first; with 40 flags that buries the message.
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
@@ -57,6 +62,15 @@ _positive_float = _number(float, lambda v: 0 < v < math.inf, "a positive number"
 _non_negative_float = _number(float, lambda v: 0 <= v < math.inf, "0 or more")
 _fraction = _number(float, lambda v: 0 <= v < 1, "in [0, 1)")
 _threshold = _number(float, lambda v: 0 < v < 1, "between 0 and 1")
+
+
+def _glue_task(text):
+    if text not in GLUE_TASKS:  # run_ner's `--task_name ner` names no dataset: the data says what the task is
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a GLUE task ({', '.join(GLUE_TASKS)}); other data needs no task name: --train_file (and "
+            "--task, if the data's columns do not say which task it is)"
+        )
+    return text
 
 
 def _yes_no(text):
@@ -142,6 +156,7 @@ def _add_data_arguments(group, split_help):
     group.add_argument(
         "--max_length",
         "--block_size",
+        "--max_seq_length",
         type=_positive_int,
         help="Truncate texts to this many tokens (causal LM on text: the block size). Default: 128 (causal LM: "
         "1024), or the model's limit if less; evaluate.py: the training run's.",
@@ -267,9 +282,10 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     data = parser.add_argument_group("data (no dataset or files: the built-in synthetic demo task)")
     data.add_argument(
         "--task_name",
-        choices=list(GLUE_TASKS),
-        help="A GLUE task: nyu-mll/glue from the Hub, or --train_file/--validation_file in its columns; GLUE's "
-        "labels, metrics and metric for the best model (MNLI from the Hub: mismatched as eval_*_mm too).",
+        type=_glue_task,
+        help=f"A GLUE task ({', '.join(GLUE_TASKS)}): nyu-mll/glue from the Hub, or --train_file/--validation_file "
+        "in its columns; GLUE's labels, metrics and metric for the best model (MNLI from the Hub: mismatched as "
+        "eval_*_mm too).",
     )
     data.add_argument("--train_file", type=Path, help="Training data: .csv, .tsv, .json, .jsonl or .parquet.")
     data.add_argument("--validation_file", type=Path, help="Validation data, same formats as --train_file.")
@@ -317,7 +333,9 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     )
     train.add_argument("--lr_scheduler_type", choices=SCHEDULERS, default="linear", help="Learning-rate schedule.")
     train.add_argument("--warmup_ratio", type=_fraction, default=0.1, help="Fraction of steps spent warming up.")
-    train.add_argument("--num_warmup_steps", type=_non_negative_int, help="Warmup steps; wins over --warmup_ratio.")
+    train.add_argument(
+        "--num_warmup_steps", "--warmup_steps", type=_non_negative_int, help="Warmup steps; wins over --warmup_ratio."
+    )
     train.add_argument("--max_grad_norm", type=_non_negative_float, default=1.0, help="Gradient clipping; 0: none.")
     train.add_argument(
         "--mixed_precision",
@@ -370,7 +388,10 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
 
     checkpoints = parser.add_argument_group("checkpoints")
     checkpoints.add_argument(
-        "--checkpointing_steps", type=_steps_or_epoch, help="Save a resumable checkpoint every N steps or each epoch."
+        "--checkpointing_steps",
+        "--save_steps",
+        type=_steps_or_epoch,
+        help="Save a resumable checkpoint every N steps or each epoch.",
     )
     checkpoints.add_argument(
         "--save_total_limit",

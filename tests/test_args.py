@@ -45,7 +45,10 @@ def test_defaults_are_sensible():
         (["--num_train_epochs", "two"], "--num_train_epochs: must be a whole number, got 'two'"),
         (["--cpu_threads", "all"], "--cpu_threads: must be a whole number, got 'all'"),
         (["--learning_rate", "fast"], "--learning_rate: must be a number, got 'fast'"),
-        (["--checkpointing_steps", "often"], "--checkpointing_steps: must be a positive number of steps or 'epoch'"),
+        (
+            ["--checkpointing_steps", "often"],
+            "--checkpointing_steps/--save_steps: must be a positive number of steps or 'epoch'",
+        ),
         (["--lr_scheduler_type", "exotic"], "--lr_scheduler_type: invalid choice"),
         (["--mixed_precision", "fp8x"], "--mixed_precision"),
         (["--validation_split_percentage", "100"], "--validation_split_percentage must be between 1 and 99"),
@@ -56,6 +59,11 @@ def test_defaults_are_sensible():
         (["--text_column", "a", "--text_pair_column", "a"], "--text_pair_column must differ"),
         (["--load_best_model_at_end", "--save_total_limit", "1"], "--save_total_limit of 2 or more"),
         (["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
+        (
+            ["--lerning_rate", "1"],
+            "unrecognized arguments: --lerning_rate 1; did you mean --lerning_rate -> --learning",
+        ),
+        (["--task_name", "ner"], "'ner' is not a GLUE task (cola, sst2, "),
         (["--ddp_timeout", "0"], "--ddp_timeout: must be a positive integer"),
         (["--ddp_timeout", "30m"], "--ddp_timeout: must be a whole number, got '30m'"),
         (["--data_preparation_timeout", "99999999999"], "--data_preparation_timeout: must be at most 30 days"),
@@ -63,6 +71,11 @@ def test_defaults_are_sensible():
 )
 def test_bad_values_get_one_line_naming_the_flag(capsys, argv, culprit):
     assert culprit in error_of(capsys, *argv)
+
+
+def test_trainer_and_trl_spellings_of_the_same_settings_are_accepted():
+    args = parse("--max_seq_length", "64", "--warmup_steps", "3", "--save_steps", "5")
+    assert (args.max_length, args.num_warmup_steps, args.checkpointing_steps) == (64, 3, 5)
 
 
 def test_yaml_config_is_read_and_the_command_line_wins(tmp_path):
