@@ -101,20 +101,21 @@ def main(args):
                                         getattr(model, "config", None), default=task.default_max_length)  # fmt: skip
     with main_process_first(accelerator, args.data_preparation_timeout):
         dataset = task.features(data, tokenizer, max_length)
-        if prompts is not None and len(prompts) != len(dataset):
-            raise UserError(f"--predict_with_generate: {len(prompts) - len(dataset)} of {len(prompts)} rows are not "
-                            f"evaluated (nothing to learn within --max_length {max_length} tokens), so predictions.csv "
-                            "would have no row for their answers; raise --max_length or remove those rows")  # fmt: skip
+        if not len(dataset) and prompts is None:
+            raise UserError(f"none of the {len(data)} rows has anything to evaluate within --max_length {max_length} "
+                            "tokens (see the warning above)")  # fmt: skip
 
-    collator = task.collator(tokenizer, **padding_options(accelerator.device))  # as train.py pads
-    dataloader = accelerator.prepare(build_eval_dataloader(dataset, collator, args.per_device_eval_batch_size))
     model = prepare_for_evaluation(model, accelerator)
-    logger.info(
-        f"Evaluating {args.model_name_or_path} on {len(dataset)} examples with {accelerator.num_processes} "
-        f"process(es), batch size {args.per_device_eval_batch_size} per process"
-    )
-    metrics, columns = evaluate(model, dataloader, accelerator, task)
-    if "eval_loss" not in metrics:  # e.g. a label column of another name than in training
+    metrics, columns = {"eval_samples": 0}, None
+    if len(dataset):  # prompts alone (no answers to score) are only answered, below
+        collator = task.collator(tokenizer, **padding_options(accelerator.device))  # as train.py pads
+        dataloader = accelerator.prepare(build_eval_dataloader(dataset, collator, args.per_device_eval_batch_size))
+        logger.info(
+            f"Evaluating {args.model_name_or_path} on {len(dataset)} examples with {accelerator.num_processes} "
+            f"process(es), batch size {args.per_device_eval_batch_size} per process"
+        )
+        metrics, columns = evaluate(model, dataloader, accelerator, task)
+    if "eval_loss" not in metrics and prompts is None:  # e.g. a label column of another name than in training
         logger.warning(f"the data has no labels for {task.describe()} (its columns: {', '.join(data.column_names)}): "
                        "predictions only, no metrics; name the label column with --label_column")  # fmt: skip
     generations = None
@@ -135,16 +136,30 @@ def write_results(output_dir: Path, metrics: dict, columns: dict, task, data, ge
     # Rounded so that the number of processes (the summation order) cannot change the file. Another batch size
     # pads differently, which under bf16 autocast can move eval_loss in the 6th decimal.
     write_json(output_dir / "eval_results.json", {k: round(v, 6) for k, v in metrics.items()})
-    rows = {"index": columns["index"].tolist(), **task.prediction_rows(columns, data)}
+    rows = (
+        {"index": []}
+        if columns is None
+        else {"index": columns["index"].tolist(), **task.prediction_rows(columns, data)}
+    )
     if generations is not None:
-        rows["generation"] = generations
+        rows = _with_answers(rows, generations)
     with open(output_dir / "predictions.csv", "w", newline="") as file:
         writer = csv.writer(file)
         writer.writerow(rows)
         writer.writerows(zip(*rows.values()))
-    written = ["eval_results.json", "predictions.csv", *task.write_pictures(columns, output_dir)]
+    pictures = [] if columns is None else task.write_pictures(columns, output_dir)
+    written = ["eval_results.json", "predictions.csv", *pictures]
     summary = ", ".join(f"{k} = {v:.4f}" for k, v in metrics.items() if k != "eval_samples")
     logger.info(f"{summary or 'No metrics'}\nWrote {', '.join(written)} to {output_dir.resolve()}")
+
+
+def _with_answers(rows: dict, generations: list[str]) -> dict:
+    """A row per data row, each with its answer; a row that had nothing to score (a prompt without an answer, or one
+    that fills --max_length) has its answer only."""
+    scored = {index: position for position, index in enumerate(rows.pop("index"))}
+    table = {name: [values[scored[row]] if row in scored else "" for row in range(len(generations))]
+             for name, values in rows.items()}  # fmt: skip
+    return {"index": list(range(len(generations))), **table, "generation": generations}
 
 
 if __name__ == "__main__":

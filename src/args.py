@@ -474,7 +474,8 @@ def build_eval_parser() -> ArgumentParser:
         generation,
         "--predict_with_generate",
         default=False,
-        help="Also generate an answer to each row's prompt: predictions.csv's `generation` column.",
+        help="Also generate an answer to each row's prompt: predictions.csv's `generation` column. Rows of prompts "
+        "alone (no completion) are answered, not scored.",
     )
     generation.add_argument(
         "--generation_max_length", type=_positive_int, default=128, help="New tokens per answer at most."

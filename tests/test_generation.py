@@ -129,12 +129,29 @@ def test_a_conversations_prompt_is_everything_before_its_last_answer(tiny_decode
     assert prompts == [expected] * 3
 
 
+def test_prompts_without_answers_are_answered_and_rows_that_cannot_be_scored_too(trained_lm, tmp_path):
+    """New prompts (no completion column) get answers and no scores; beside scored rows, a prompt that fills
+    --max_length (nothing left to score) still gets its answer, on its own data row."""
+    prompts = [row["prompt"] for row in map(json.loads, trained_lm["dev"].read_text().splitlines())]
+    alone = write_rows(tmp_path / "prompts.jsonl", [{"prompt": prompt} for prompt in prompts[:3]])
+    metrics = run_in_process("evaluate", evaluate_args(trained_lm, tmp_path / "new", "--validation_file", str(alone)))
+    assert metrics == {"eval_samples": 0}
+    rows = predictions(tmp_path / "new")
+    assert list(rows[0]) == ["index", "generation"] and [row["index"] for row in rows] == ["0", "1", "2"]
+    assert [row["generation"] for row in rows] == answers_alone(trained_lm["model"], prompts[:3], num_beams=1)
+
+    run_in_process("evaluate", evaluate_args(trained_lm, tmp_path / "all"))
+    run_in_process("evaluate", evaluate_args(trained_lm, tmp_path / "short", "--max_length", "12"))
+    full, short = predictions(tmp_path / "all"), predictions(tmp_path / "short")
+    assert [row["index"] for row in short] == [str(i) for i in range(7)]
+    assert sum(row["loss"] == "" for row in short) == 2, "2 of the 7 prompts fill 12 tokens"
+    assert [row["generation"] for row in short] == [row["generation"] for row in full]
+
+
 def test_rows_without_prompts_are_one_line_errors(trained_lm, tiny_model, tmp_path):
     texts = write_rows(tmp_path / "texts.jsonl", [{"text": "the plot was good"}])
     with pytest.raises(UserError, match="a model for causal-LM fine-tuning on text has none to answer"):
         run_in_process("evaluate", evaluate_args(trained_lm, tmp_path, "--validation_file", str(texts)))
-    with pytest.raises(UserError, match="2 of 7 rows are not evaluated .nothing to learn within --max_length 12"):
-        run_in_process("evaluate", evaluate_args(trained_lm, tmp_path, "--max_length", "12"))
     sentences = write_rows(tmp_path / "sentences.csv", sentiment_rows(4))
     argv = ["--model_name_or_path", str(tiny_model), "--validation_file", str(sentences), "--output_dir", str(tmp_path),
             "--predict_with_generate"]  # fmt: skip

@@ -108,6 +108,8 @@ class CausalLM(Task):
     @classmethod
     def from_record(cls, record: dict, args, model_dir, column_names: list[str]) -> "CausalLM":
         fmt = _format_of(column_names)
+        if fmt is None and "prompt" in column_names and args.predict_with_generate:
+            fmt = PROMPT_COMPLETION  # prompts to answer, with no answers to score
         if fmt is None:
             raise UserError(f"the data has no columns a causal LM reads (its columns: {', '.join(column_names)})")
         # Runs recorded before these options existed learnt completions only, and every token of a chat.
@@ -173,8 +175,8 @@ class CausalLM(Task):
         kept = features.filter(lambda row: any(label != IGNORE for label in row["labels"][1:]), desc="Checking labels")
         if len(kept) < len(features):
             dropped = f"{len(features) - len(kept)} of {len(features)} examples"
-            logger.warning(f"{dropped} have nothing to learn within --max_length {max_length} tokens (the prompt "
-                           "fills them): dropped; raise --max_length")  # fmt: skip
+            logger.warning(f"{dropped} have nothing to learn within --max_length {max_length} tokens (no answer, or "
+                           "a prompt that fills them): dropped; raise --max_length for the latter")  # fmt: skip
         return kept  # each example keeps its data row's number: predictions.csv's index
 
     def training_rows(self, features: Dataset, max_length: int) -> Dataset:
@@ -274,6 +276,8 @@ def _prompt_completion_example(tokenizer, row: dict, max_length: int, completion
     """The prompt's tokens, then the completion's and EOS (always learnt), cut to max_length; the prompt's labels are
     -100 when `completion_only`. Tokenized apart, so the boundary is exact whatever the tokenizer merges across it."""
     prompt = tokenizer(row["prompt"])["input_ids"]
+    if row.get("completion") is None:  # a prompt to answer (evaluate.py --predict_with_generate): nothing to score
+        return prompt[:max_length], [IGNORE] * len(prompt[:max_length])
     completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     ids = (prompt + completion)[:max_length]
     return ids, ([IGNORE] * len(prompt) + completion)[:max_length] if completion_only else list(ids)
