@@ -491,7 +491,7 @@ def test_trust_remote_code_from_a_config_file(tmp_path):
         (["--push_to_hub", "--output_dir", "/tmp/my run!"], "--output_dir's name 'my run!' is not a Hub repository"),
         (["--multi_label_threshold", "1.5"], "--multi_label_threshold: must be between 0 and 1"),
         (["--trust_remote_code", "maybe"], "--trust_remote_code: must be true or false"),
-        (["--task_name", "squad"], "--task_name: invalid choice"),
+        (["--task_name", "squad"], "--task_name: 'squad' is not a GLUE task (cola, sst2,"),
         (["--class_weights", "inverse"], "--class_weights: invalid choice"),
     ],
 )
