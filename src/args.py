@@ -333,9 +333,7 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     )
     train.add_argument("--lr_scheduler_type", choices=SCHEDULERS, default="linear", help="Learning-rate schedule.")
     train.add_argument("--warmup_ratio", type=_fraction, default=0.1, help="Fraction of steps spent warming up.")
-    train.add_argument(
-        "--num_warmup_steps", "--warmup_steps", type=_non_negative_int, help="Warmup steps; wins over --warmup_ratio."
-    )
+    train.add_argument("--num_warmup_steps", type=_non_negative_int, help="Warmup steps; wins over --warmup_ratio.")
     train.add_argument("--max_grad_norm", type=_non_negative_float, default=1.0, help="Gradient clipping; 0: none.")
     train.add_argument(
         "--mixed_precision",
@@ -389,7 +387,6 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     checkpoints = parser.add_argument_group("checkpoints")
     checkpoints.add_argument(
         "--checkpointing_steps",
-        "--save_steps",
         type=_steps_or_epoch,
         help="Save a resumable checkpoint every N steps or each epoch.",
     )

@@ -134,11 +134,19 @@ def load_config(args, fields: dict, tokenizer, decoder: bool = False):
 
 def _check_head_counts(config, overrides: str):
     """Sizes that --config_overrides changed one at a time must still divide, or the first forward pass fails deep in
-    the attention code (Llama's default of 32 key/value heads stays when only num_attention_heads is lowered)."""
-    names = ("hidden_size", "num_attention_heads", "num_key_value_heads")
-    for whole, part in zip(names, names[1:]):  # each a multiple of the next
+    the attention code (Llama's default of 32 key/value heads stays when only num_attention_heads is lowered). Only
+    the pairs the overrides touch are checked; a config with its own head size (head_dim, T5's d_kv) needs no
+    hidden_size that the heads divide."""
+    standard = {own: name for name, own in config.attribute_map.items()}  # GPT-2's n_head is num_attention_heads
+    changed = {standard.get(key, key) for key in (pair.split("=")[0].strip() for pair in overrides.split(","))}
+    own_head_size = getattr(config, "head_dim", None) or getattr(config, "d_kv", None)
+    pairs = [("num_attention_heads", "num_key_value_heads")]
+    pairs += [] if own_head_size else [("hidden_size", "num_attention_heads")]
+    for whole, part in pairs:
         big, small = getattr(config, whole, None), getattr(config, part, None)
-        if isinstance(big, int) and isinstance(small, int) and (small > big or big % small):
+        if not ({whole, part} & changed and isinstance(big, int) and isinstance(small, int)):
+            continue
+        if small < 1 or big % small:
             raise UserError(f"--config_overrides {overrides!r}: {whole} {big} is not a multiple of {part} {small}; "
                             f"set {part} too (the architecture's default is kept otherwise)")  # fmt: skip
 

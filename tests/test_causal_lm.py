@@ -328,6 +328,7 @@ def test_a_new_models_config_and_tokenizer_errors_name_their_flags(tiny_decoders
         new_config("llama", "hidden_size=64,num_attention_heads=4")
     with pytest.raises(UserError, match="'n_embd=60,n_head=8': hidden_size 60 is not a multiple of num_attention_he"):
         new_config("gpt2", "n_embd=60,n_head=8")
+    new_config("seed_oss", "num_hidden_layers=2")  # 4096 / 80 heads of its own head_dim: untouched, not refused
     config = new_config("llama", "hidden_size=64,num_attention_heads=4,num_key_value_heads=2")
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (64, 4, 2)
     missing = str(tmp_path / "missing")
