@@ -42,10 +42,11 @@ def ticket_rows(count: int, seed: int) -> list[dict]:
     return rows
 
 
-def detect_task(dataset, label_column, class_weights="none", threshold=0.5):
+def detect_task(dataset, label_column, class_weights="none", threshold=0.5, max_train_samples=None):
     """The task that train.py finds in these training rows (columns detected, labels from `label_column`)."""
     args = SimpleNamespace(text_column=None, text_pair_column=None, label_column=label_column,
-                           class_weights=class_weights, multi_label_threshold=threshold)  # fmt: skip
+                           class_weights=class_weights, multi_label_threshold=threshold,
+                           max_train_samples=max_train_samples)  # fmt: skip
     return SequenceClassification.from_data(args, dataset)
 
 
@@ -260,6 +261,10 @@ def test_balanced_weights_and_the_weighted_loss():
     rows = [{"text": "x", "label": name} for name in ["a"] * 6 + ["b"] * 2]
     task = detect_task(Dataset.from_list(rows), "label", class_weights="balanced")
     assert task.class_weights == pytest.approx((8 / (2 * 6), 8 / (2 * 2)))  # n_rows / (n_classes * count)
+    # --max_train_samples: the weights of the rows that train (3 a, 1 b), not of the whole split (4 and 4).
+    rows = [{"text": "x", "label": name} for name in ["a", "b", "a", "a", "b", "b", "b", "b"]]
+    kept = detect_task(Dataset.from_list(rows), "label", class_weights="balanced", max_train_samples=4)
+    assert kept.class_weights == pytest.approx((4 / (2 * 3), 4 / (2 * 1)))
     logits, labels = torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.5, 0.5]]), torch.tensor([0, 1, 1])
     per_example = F.cross_entropy(logits, labels, reduction="none") * torch.tensor([2 / 3, 2.0, 2.0])
     assert torch.allclose(task.losses(logits, labels), per_example)

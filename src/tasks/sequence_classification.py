@@ -88,7 +88,9 @@ class SequenceClassification(Task):
                     "--class_weights balanced is for classification, and these labels are numbers (regression)"
                 )
             of_row, _ = label_namer(train, label_column)
-            task = replace(task, class_weights=balanced_weights(task, [of_row(v) for v in train[label_column]]))
+            # Over the rows that train (--max_train_samples), though the labels are those of the whole split.
+            trained = train.take(args.max_train_samples) if args.max_train_samples else train
+            task = replace(task, class_weights=balanced_weights(task, [of_row(v) for v in trained[label_column]]))
         return task
 
     @classmethod
