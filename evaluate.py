@@ -103,7 +103,7 @@ def main(args):
         dataset = task.features(data, tokenizer, max_length)
         if not len(dataset) and prompts is None:
             raise UserError(f"none of the {len(data)} rows has anything to evaluate within --max_length {max_length} "
-                            "tokens (see the warning above)")  # fmt: skip
+                            "tokens")  # fmt: skip
 
     model = prepare_for_evaluation(model, accelerator)
     metrics, columns = {"eval_samples": 0}, None
@@ -115,7 +115,7 @@ def main(args):
             f"process(es), batch size {args.per_device_eval_batch_size} per process"
         )
         metrics, columns = evaluate(model, dataloader, accelerator, task)
-    if "eval_loss" not in metrics and prompts is None:  # e.g. a label column of another name than in training
+    if "eval_loss" not in metrics and prompts is None and record.get("label_column"):  # renamed since training?
         logger.warning(f"the data has no labels for {task.describe()} (its columns: {', '.join(data.column_names)}): "
                        "predictions only, no metrics; name the label column with --label_column")  # fmt: skip
     generations = None

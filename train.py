@@ -112,6 +112,9 @@ def load_data_and_model(args, accelerator):
         splits = {name: task.features(split, tokenizer, max_length, args.preprocessing_num_workers)
                   for name, split in raw.items()}  # fmt: skip
         splits["train"] = task.training_rows(splits["train"], max_length)
+        empty = [name for name, split in splits.items() if not len(split)]
+        if empty:  # every row dropped: nothing to learn within max_length (see the task's warning)
+            raise UserError(f"the {' and '.join(empty)} data has no example left within --max_length {max_length}")
     return task, tokenizer, splits, model, max_length
 
 

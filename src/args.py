@@ -165,8 +165,8 @@ def _add_data_arguments(group, split_help):
 
 
 def _add_text_file_arguments(group):
-    # run_clm_no_trainer.py's spelling of the off switch, kept for its users; registered first so that a --config
-    # file's `keep_linebreaks: false` goes through the switch below.
+    # run_clm_no_trainer.py's spelling of the off switch, kept for its users (`no_keep_linebreaks: true` in a --config
+    # file too).
     group.add_argument("--no_keep_linebreaks", dest="keep_linebreaks", action="store_false", help=argparse.SUPPRESS)
     _switch(
         group,
@@ -498,15 +498,19 @@ def _read_config(parser: ArgumentParser, path: Path) -> dict:
 
 def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
     """The YAML file's keys and values as command-line words, checked against the parser's flags."""
-    # Every spelling of a flag (text_column and text_column_name, max_length and block_size) is a key.
+    # Every spelling of a flag (text_column and text_column_name, max_length and block_size) is a key; an on/off
+    # switch's --no- form is not: `flag: false` says it.
     actions = {option[2:]: action for action in parser._actions for option in action.option_strings
-               if option.startswith("--")}  # fmt: skip
-    words = []
+               if option.startswith("--") and not option.startswith("--no-")}  # fmt: skip
+    words, given = [], {}
     for key, value in _read_config(parser, path).items():
         if key not in actions or key in ("config", "help"):
             close = difflib.get_close_matches(str(key), actions, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             parser.error(f"--config {path}: unknown key {key!r}{hint}")
+        if actions[key].dest in given:
+            parser.error(f"--config {path}: {given[actions[key].dest]} and {key} are the same flag: keep one")
+        given[actions[key].dest] = key
         if value is None:
             continue
         action = actions[key]

@@ -126,6 +126,9 @@ def choose_precision(requested: str | None, on_cpu: bool, saved: str | None = No
     if state.num_processes > 1:
         broadcast_object_list(decision)
     precision, why = decision[0]
-    if precision != "no" and configured == "no" and "ACCELERATE_MIXED_PRECISION" in os.environ:
-        why += "; a launcher's mixed_precision 'no' is its default too, so no choice: for fp32, pass it to train.py"
+    if precision != "no" and "ACCELERATE_MIXED_PRECISION" in os.environ:
+        why += (
+            "; a launcher's mixed_precision 'no' is its default too, so no choice: for fp32, pass "
+            "--mixed_precision no to the script"
+        )
     return precision, why

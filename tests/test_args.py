@@ -99,6 +99,8 @@ def test_yaml_config_is_read_and_the_command_line_wins(tmp_path):
     "text,culprit",
     [
         ("learning_rat: 0.1\n", "unknown key 'learning_rat'; did you mean 'learning_rate'?"),
+        ("max_length: 64\nblock_size: 256\n", "max_length and block_size are the same flag: keep one"),
+        ("no-group_by_length: true\n", "unknown key 'no-group_by_length'"),
         ("learning_rate: [1, 2]\n", "learning_rate must be a single value"),
         ("per_device_train_batch_size: 0\n", "--per_device_train_batch_size: must be a positive integer"),
         ("group_by_length: maybe\n", "group_by_length must be true or false"),

@@ -7,7 +7,7 @@ import types
 
 import pytest
 from accelerate import PartialState
-from conftest import REPO, WEIGHTS_ATOL, launch, run_in_process, run_model_card_snippet, train_args
+from conftest import REPO, WEIGHTS_ATOL, launch, run_in_process, run_model_card_snippet, train_args, write_rows
 from datasets import Dataset
 
 from src.errors import UserError
@@ -175,6 +175,13 @@ def test_examples_with_nothing_to_learn_are_dropped_and_counted(tokenizer, caplo
         rows = CausalLM(PROMPT_COMPLETION).features(data, tokenizer, 16)
     assert "1 of 2 examples have nothing to learn within --max_length 16" in caplog.text
     assert len(rows) == 1 and rows[0]["example_index"] == 1  # its data row: predictions.csv's index
+
+
+def test_validation_data_with_nothing_left_to_score_is_one_line(tiny_decoders, tmp_path):
+    train = write_rows(tmp_path / "train.jsonl", [{"prompt": "the plot was", "completion": "good"}] * 8)
+    dev = write_rows(tmp_path / "dev.jsonl", [{"prompt": "the acting " * 20, "completion": "bad"}] * 2)
+    with pytest.raises(UserError, match="the validation data has no example left within --max_length 16"):
+        run_in_process("train", train_args(tiny_decoders["llama"], train, dev, tmp_path / "out", "--max_length", "16"))
 
 
 def test_the_model_card_shows_how_to_generate_and_that_runs(tmp_path, tiny_decoders, tiny_model):

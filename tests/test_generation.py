@@ -129,13 +129,16 @@ def test_a_conversations_prompt_is_everything_before_its_last_answer(tiny_decode
     assert prompts == [expected] * 3
 
 
-def test_prompts_without_answers_are_answered_and_rows_that_cannot_be_scored_too(trained_lm, tmp_path):
+def test_prompts_without_answers_are_answered_and_rows_that_cannot_be_scored_too(trained_lm, tmp_path, caplog):
     """New prompts (no completion column) get answers and no scores; beside scored rows, a prompt that fills
     --max_length (nothing left to score) still gets its answer, on its own data row."""
     prompts = [row["prompt"] for row in map(json.loads, trained_lm["dev"].read_text().splitlines())]
     alone = write_rows(tmp_path / "prompts.jsonl", [{"prompt": prompt} for prompt in prompts[:3]])
-    metrics = run_in_process("evaluate", evaluate_args(trained_lm, tmp_path / "new", "--validation_file", str(alone)))
-    assert metrics == {"eval_samples": 0}
+    with caplog.at_level("WARNING"):
+        metrics = run_in_process(
+            "evaluate", evaluate_args(trained_lm, tmp_path / "new", "--validation_file", str(alone))
+        )
+    assert metrics == {"eval_samples": 0} and "nothing to learn" not in caplog.text  # nobody asked for a score
     rows = predictions(tmp_path / "new")
     assert list(rows[0]) == ["index", "generation"] and [row["index"] for row in rows] == ["0", "1", "2"]
     assert [row["generation"] for row in rows] == answers_alone(trained_lm["model"], prompts[:3], num_beams=1)

@@ -84,7 +84,7 @@ def test_who_decides_the_precision(monkeypatch):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # launchers always pass one: 'no' is no choice
     precision, why = choose_precision(None, on_cpu=True)
     assert precision == "bf16" and why.endswith("mixed_precision 'no' is its default too, so no choice: for fp32, "
-                                                 "pass it to train.py")  # fmt: skip
+                                                 "pass --mixed_precision no to the script")  # fmt: skip
     with pytest.raises(UserError, match="saved mixed_precision is 'fp8', not one of no, fp16, bf16.*--mixed_precision"):
         choose_precision(None, on_cpu=True, saved="fp8")
 

@@ -173,6 +173,8 @@ class CausalLM(Task):
                                num_proc=num_proc, desc="Tokenizing")  # fmt: skip
         # A prompt that fills --max_length leaves nothing to learn: such rows are dropped, and said so.
         kept = features.filter(lambda row: any(label != IGNORE for label in row["labels"][1:]), desc="Checking labels")
+        if self.format == PROMPT_COMPLETION and "completion" not in dataset.column_names:
+            return kept  # prompts alone, to answer (evaluate.py --predict_with_generate): none is to be scored
         if len(kept) < len(features):
             dropped = f"{len(features) - len(kept)} of {len(features)} examples"
             logger.warning(f"{dropped} have nothing to learn within --max_length {max_length} tokens (no answer, or "
@@ -357,7 +359,7 @@ def _packed_rows(features: Dataset, max_length: int) -> Dataset:
     Packed 1,000 examples at a time (a map batch), so that memory stays bounded; only each batch's last rows are
     less full."""
 
-    def rows(batch, indices):
+    def rows(batch):
         packed = _best_fit_decreasing(batch[LENGTH_COLUMN], max_length)
 
         def joined(column, per_example=lambda values: values) -> list[list[int]]:
@@ -368,11 +370,11 @@ def _packed_rows(features: Dataset, max_length: int) -> Dataset:
             "attention_mask": joined("attention_mask"),  # the real tokens, for the throughput; not for the model
             "labels": joined("labels", lambda labels: [IGNORE, *labels[1:]]),
             "position_ids": joined("input_ids", lambda ids: range(len(ids))),
-            INDEX_COLUMN: [indices[members[0]] for members in packed],  # a row is known by its first example
+            INDEX_COLUMN: [batch[INDEX_COLUMN][members[0]] for members in packed],  # known by its first example
             LENGTH_COLUMN: [sum(batch[LENGTH_COLUMN][i] for i in members) for members in packed],
         }
 
-    return features.map(rows, batched=True, batch_size=1000, with_indices=True, remove_columns=features.column_names,
+    return features.map(rows, batched=True, batch_size=1000, remove_columns=features.column_names,
                         desc="Packing")  # fmt: skip
 
 

@@ -141,8 +141,8 @@ class TokenClassification(Task):
                 if unknown:
                     known = ", ".join(self.label_names[:30]) + (", ..." if len(self.label_names) > 30 else "")
                     raise UserError(f"tag(s) {', '.join(sorted(map(str, unknown))[:10])} in column {tags_column!r} "
-                                    f"are not among the {len(self.label_names)} tags of the training data, which the "
-                                    f"model learns ({known})")  # fmt: skip
+                                    f"are not among the model's {len(self.label_names)} tags, those of its training "
+                                    f"data ({known})")  # fmt: skip
                 ids = [tag_id[names[t] if names else t] for t in tags]
                 labels, previous = [], None
                 for word in word_ids:
