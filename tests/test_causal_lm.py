@@ -229,7 +229,9 @@ def test_a_global_batch_gives_the_same_update_however_it_is_split(tiny_decoders,
 
 
 def test_chat_rows_and_templates_that_cannot_be_learnt_are_one_line(tokenizer, tmp_path):
-    with pytest.raises(UserError, match="has no chat template to render `messages` with: pass one with "):
+    with pytest.raises(
+        UserError, match=r"has no chat template to render `messages` with: train with one \(train.py --chat"
+    ):
         chat_task(tokenizer)  # the tiny Llama's tokenizer has none, as base models' have none
     template = tmp_path / "plain.jinja"  # no {% generation %} markers
     template.write_text("{% for m in messages %}{{ m['content'] + eos_token }}{% endfor %}")

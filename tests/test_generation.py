@@ -82,7 +82,7 @@ def test_chat_rows_for_a_model_trained_without_a_chat_template_are_one_line(trai
     dev = write_rows(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                              {"role": "assistant", "content": "good"}]}])  # fmt: skip
     argv = ["--model_name_or_path", str(trained_lm["model"]), "--validation_file", str(dev), "--output_dir", "e"]
-    with pytest.raises(UserError, match="no chat template to render `messages` with: it was trained on other rows"):
+    with pytest.raises(UserError, match="no chat template .* evaluate.py uses the template saved with the model"):
         run_in_process("evaluate", argv)
 
 
@@ -107,12 +107,19 @@ def test_each_prompts_answer_is_what_the_model_generates_for_it_alone(trained_lm
 
 def test_two_ranks_with_sharded_steps_write_what_one_process_writes(trained_lm, tmp_path):
     """2 ranks x 2 prompts (7 prompts: the last batch is evened out with a repeat), each forward pass a collective of
-    both ranks as under FSDP: the run finishes only if a rank whose answers end sooner still steps with the other."""
-    run_in_process("evaluate", evaluate_args(trained_lm, tmp_path / "one", "--per_device_eval_batch_size", "3"))
-    two = evaluate_args(trained_lm, tmp_path / "two", "--per_device_eval_batch_size", "2", "--ddp_timeout", "30")
+    both ranks as under FSDP: the run finishes only if a rank whose answers end sooner still steps with the other.
+    --max_length 12 leaves 2 rows nothing to score: 5 examples scored over 2 ranks, each once, and 7 answered, each on
+    its own data row, as on one process."""
+    short = ["--max_length", "12"]
+    run_in_process("evaluate", evaluate_args(trained_lm, tmp_path / "one", "--per_device_eval_batch_size", "3", *short))
+    two = evaluate_args(
+        trained_lm, tmp_path / "two", "--per_device_eval_batch_size", "2", "--ddp_timeout", "30", *short
+    )
     result = launch("tests/sharded_steps.py", ["evaluate.py", *two], timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert predictions(tmp_path / "two") == predictions(tmp_path / "one")
+    assert sum(row["loss"] == "" for row in predictions(tmp_path / "two")) == 2
+    assert json.loads((tmp_path / "two" / "eval_results.json").read_text())["eval_samples"] == 5
 
 
 def test_a_conversations_prompt_is_everything_before_its_last_answer(tiny_decoders):

@@ -136,11 +136,11 @@ class CausalLM(Task):
         if self.format != CHAT:
             return tokenizer
         if not tokenizer.chat_template:
-            # train.py's flags have --chat_template_path; evaluate.py's do not: the template comes with the model.
-            fix = ("pass one with --chat_template_path (examples/chat_template.jinja is one), or use a chat model"
-                   if hasattr(args, "chat_template_path") else "it was trained on other rows (a chat run saves its "
-                   "template with the model): evaluate it on rows of the kind it was trained on")  # fmt: skip
-            raise UserError(f"{name_or_path}'s tokenizer has no chat template to render `messages` with: {fix}")
+            raise UserError(
+                f"{name_or_path}'s tokenizer has no chat template to render `messages` with: train with one "
+                "(train.py --chat_template_path; examples/chat_template.jinja is one), or use a chat model; "
+                "evaluate.py uses the template saved with the model"
+            )
         if self.assistant_only_loss and not GENERATION_BLOCK.search(tokenizer.chat_template):
             raise UserError(
                 "--assistant_only_loss needs a chat template that marks the assistant's text with "
