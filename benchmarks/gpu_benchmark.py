@@ -15,7 +15,7 @@ the GPU at both ends. MFU = model FLOPs per token x tokens/s / the measured bf16
 no weight gradient), N the non-embedding parameters; attention's own FLOPs are left out. Peak memory is the
 GPU's memory in use (nvidia-smi, every 0.2 s) less what was in use before the run, so it includes the run's CUDA
 context (~0.5 GiB). A final short run with `torch.cuda.set_sync_debug_mode("warn")` counts the places where
-train.py makes the host wait for the GPU. Runs that would not end within --budget_s are skipped, and said so.
+train.py's run makes the host wait for the GPU. Runs that would not end within --budget_s are skipped, and said so.
 """
 
 import argparse
@@ -89,8 +89,9 @@ def make_tokenizer(folder: Path):
     from transformers import BertTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.txt").write_text("\n".join(SPECIAL + [f"w{i}" for i in range(VOCAB_WORDS)]) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), model_max_length=512)
+    words = SPECIAL + [f"w{i}" for i in range(VOCAB_WORDS)]
+    # vocab=, not vocab_file=: transformers 5 ignores the file and would read every word as [UNK].
+    tokenizer = BertTokenizerFast(vocab={word: i for i, word in enumerate(words)}, model_max_length=512)
     tokenizer.save_pretrained(folder)
     return tokenizer
 
@@ -203,7 +204,10 @@ def steady_rate_ours(out: Path, batch: int, skip: int) -> tuple[float, float] | 
 
 
 def sync_check(argv: list[str]):
-    """In this process: train.py's main() with CUDA's sync debug mode on during the training loop; prints counts."""
+    """In this process: train.py's main() with CUDA's sync debug mode on; prints where the host waited for the GPU.
+
+    The mode is on for the whole run, so the places are counted by file and line: train.py's are the training loop's,
+    src/evaluation.py's the gathering of predictions (which syncs by design)."""
     import importlib.util
     import warnings
     from collections import Counter
@@ -214,32 +218,18 @@ def sync_check(argv: list[str]):
     spec = importlib.util.spec_from_file_location("train_script", REPO / "train.py")
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
-    loop, evaluate, places = train.train_loop, train.evaluate, Counter()
-
-    def evaluate_quietly(*a, **k):  # evaluation syncs by design (gathering predictions); not counted
-        torch.cuda.set_sync_debug_mode(0)
+    args = train.parse_train_args(argv)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if torch.cuda.is_available():  # on the CPU (the --tiny check) there is nothing to watch
+            torch.cuda.set_sync_debug_mode("warn")
         try:
-            return evaluate(*a, **k)
+            results = train.main(args)
         finally:
-            torch.cuda.set_sync_debug_mode(1)
-
-    def watched_loop(*a, **k):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode(1)
-            try:
-                return loop(*a, **k)
-            finally:
+            if torch.cuda.is_available():
                 torch.cuda.set_sync_debug_mode(0)
-                places.update(
-                    f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower()
-                )
-
-    if not torch.cuda.is_available():  # the CPU check of this script: nothing to watch, the plumbing runs
-        torch.cuda.set_sync_debug_mode = lambda level: None
-    train.train_loop, train.evaluate = watched_loop, evaluate_quietly
-    results = train.main(train.parse_train_args(argv))
-    print("SYNC_CHECK " + json.dumps({"steps": results["global_step"], "places": dict(places.most_common(12))}))
+    places = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower())
+    print("SYNC_CHECK " + json.dumps({"steps": results["global_step"], "places": dict(places.most_common(16))}))
 
 
 def main():
@@ -324,6 +314,7 @@ def main():
         log.append(f"===== {name} (exit {code})\n{' '.join(command)}\n" + output[-6000:])
         if code != 0:
             row["status"] = f"FAILED (exit {code}); see gpu_logs.txt"
+            write_report(args, started, device_name, versions, peak, results, log, None)
             continue
         if runner == "trainer":
             measured = json.loads((out / "results.json").read_text())
@@ -333,6 +324,7 @@ def main():
             rate = steady_rate_ours(out, batch, args.skip_steps)
         flops_per_token = (4 if runner == "lora" else 6) * params[model_name]["non_embedding"]
         row.update(tokens_per_s=rate, mfu=flops_per_token * rate / peak if rate else None)
+        write_report(args, started, device_name, versions, peak, results, log, None)
 
     encoder = next((name for name in ("minilm", "bert-base") if name in params), None)
     in_budget = args.tiny or time.perf_counter() - started + 45 < args.budget_s
@@ -349,9 +341,14 @@ def main():
     else:
         sync = None
 
+    print(write_report(args, started, device_name, versions, peak, results, log, sync))
+
+
+def write_report(args, started, device_name, versions, peak, results, log, sync):
+    """The table, JSON and logs so far: written after every run, so a run cut short still reports what it measured."""
     by_name = {row["run"]: row for row in results}
-    lines = [f"### GPU benchmark: {device_name}, seq len {args.seq_len}, bf16"
-             + (", torch.compile" if gpu and not args.no_compile else "") + f", {time.strftime('%Y-%m-%d')}", "",
+    compiled = ", torch.compile" if device_name != "CPU" and not args.no_compile else ""
+    lines = [f"### GPU benchmark: {device_name}, seq len {args.seq_len}, bf16{compiled}, {time.strftime('%F')}", "",
              f"{', '.join(f'{k} {v}' for k, v in versions.items())}; measured bf16 matmul peak "
              f"{peak / 1e12:,.1f} TFLOP/s", "",
              "| run | params M | batch x steps | steady tokens/s | MFU | vs Trainer | peak GPU GiB | wall s | status |",
@@ -368,14 +365,14 @@ def main():
                  f"{row['wall_s']:.0f}" if "wall_s" in row else "", row["status"]]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     if sync is not None:
-        lines += ["", f"Host syncs inside train.py's training loop (evaluation excluded): {json.dumps(sync)}"]
+        lines += ["", f"Where train.py's run made the host wait for the GPU (file:line: count): {json.dumps(sync)}"]
     lines += ["", f"Whole benchmark: {time.perf_counter() - started:.0f} s"]
     table = "\n".join(lines) + "\n"
-    print(table)
     (args.report_dir / "gpu_benchmark.md").write_text(table)
     everything = {"versions": versions, "peak": peak, "runs": results, "sync": sync}
     (args.report_dir / "gpu_benchmark.json").write_text(json.dumps(everything, indent=1))
     (args.report_dir / "gpu_logs.txt").write_text("\n".join(log))
+    return table
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
     python benchmarks/sft_peer.py                                    # packing off (3 runs) and on (2 runs)
     python benchmarks/sft_peer.py --rows 64 --no_grouped_peer        # 4 runs: 18 min on 2 shared cores
+    python benchmarks/sft_peer.py --size gpu --rows 725 --precision bf16 --no_grouped_peer \
+        --data_dir D --tokenizer_dir T                               # on a GPU, the data and tokenizer carried there
 
 What both sides get:
 - One small Llama from a config (hidden 256, 4 layers of 4 heads, intermediate 1,024; 4.2M parameters in the
@@ -43,8 +45,13 @@ from run_benchmark import CONTENTION_LIMIT, busy_cpu_seconds, children_cpu_secon
 
 BENCHMARKS = Path(__file__).resolve().parent
 DATA = REPO_ROOT.parent / "shared" / "data" / "alpaca_eval_sft"
-LLAMA = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4,
-         "num_key_value_heads": 4, "max_position_embeddings": 1024}  # fmt: skip
+# --size: "small" for 2 CPU cores; "gpu" (12 layers of 1,024, 151M parameters in the layers) keeps a GPU busy.
+LLAMA = {
+    "small": {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "max_position_embeddings": 1024},
+    "gpu": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12, "num_attention_heads": 16,
+            "num_key_value_heads": 16, "max_position_embeddings": 1024},
+}  # fmt: skip
 BATCH_SIZE, EVAL_BATCH_SIZE, LEARNING_RATE, MAX_LENGTH, WARMUP_RATIO = 8, 8, 5e-4, 512, 0.1
 # Issue 24: train.py's wall time at most 0.85x TRL's, at an eval loss within 1% of TRL's.
 TARGET_WALL_RATIO, TARGET_LOSS_RELATIVE = 0.85, 0.01
@@ -67,6 +74,11 @@ def parse_args():
     )
     parser.add_argument("--no_grouped_peer", action="store_true", help="Leave out TRL with group_by_length.")
     parser.add_argument("--seed", type=int, default=42, help="The model's weights, data order and dropout.")
+    parser.add_argument("--size", choices=list(LLAMA), default="small", help="The Llama's size (see LLAMA).")
+    parser.add_argument("--data_dir", type=Path, default=DATA, help="Where the alpaca_eval_sft files are.")
+    parser.add_argument(
+        "--tokenizer_dir", type=Path, help="MiniLM's tokenizer files (default: the packaged model's folder)."
+    )
     parser.add_argument("--results_dir", type=Path, default=BENCHMARKS / "results" / "sft_peer")
     parser.add_argument("--output", type=Path, help="Also write the markdown table here.")
     return parser.parse_args()
@@ -81,12 +93,12 @@ def write_rows(source: Path, destination: Path, rows: int | None):
             out.write(json.dumps({"prompt": row["prompt"] + "\n", "completion": row["completion"]}) + "\n")
 
 
-def save_tokenizer(folder: Path):
+def save_tokenizer(folder: Path, source: Path | None):
     """MiniLM's tokenizer adding [CLS] (as BOS) before a text and nothing after it; [SEP] is its EOS."""
     from tokenizers.processors import TemplateProcessing
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    bert = AutoTokenizer.from_pretrained(default_model_path())
+    bert = AutoTokenizer.from_pretrained(source or default_model_path())
     backend = bert.backend_tokenizer
     bos = bert.cls_token
     backend.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
@@ -104,13 +116,13 @@ def save_tokenizer(folder: Path):
     return reloaded
 
 
-def save_model(folder: Path, seed: int):
-    """The small Llama, with weights drawn from `seed`, and its tokenizer: what both sides start from."""
+def save_model(folder: Path, seed: int, size: str, tokenizer_dir: Path | None):
+    """The Llama, with weights drawn from `seed`, and its tokenizer: what both sides start from."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = save_tokenizer(folder)
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **LLAMA)  # fmt: skip
+    tokenizer = save_tokenizer(folder, tokenizer_dir)
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    config = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **ids, **LLAMA[size])
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(folder)
 
@@ -252,10 +264,10 @@ def main():
     results_dir = args.results_dir
     results_dir.mkdir(parents=True, exist_ok=True)
     files = {"train": results_dir / "train.jsonl", "validation": results_dir / "validation.jsonl"}
-    write_rows(DATA / "train_prompt_completion.jsonl", files["train"], args.rows)
-    write_rows(DATA / "validation_prompt_completion.jsonl", files["validation"], None)
+    write_rows(args.data_dir / "train_prompt_completion.jsonl", files["train"], args.rows)
+    write_rows(args.data_dir / "validation_prompt_completion.jsonl", files["validation"], None)
     model_dir = results_dir / "llama"
-    save_model(model_dir, args.seed)
+    save_model(model_dir, args.seed, args.size, args.tokenizer_dir)
 
     if args.precision == "auto":
         from run_benchmark import project_precision
@@ -279,7 +291,8 @@ def main():
     others = max((run["other_cores"] or 0.0) for run in runs)
     disturbed = " TIMINGS DISTURBED: rerun on an idle machine." if others > CONTENTION_LIMIT else ""
     report = "\n".join([
-        f"{datetime.date.today()}; {machine_description()}; trl {version('trl')}; {args.rows} training rows, "
+        f"{datetime.date.today()}; {machine_description()}; trl {version('trl')}; Llama {args.size!r}, "
+        f"{args.rows} training rows, "
         f"seed {args.seed}; other processes busy on up to {others:.2f} cores.{disturbed}",
         f"Validation completion tokens scored: {expected:,} by train.py, {check} for TRL.",
         "", table(runs, precision), "", *target_lines(runs),
