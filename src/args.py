@@ -639,9 +639,6 @@ def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> arg
         parser.error("--text_pair_column must differ from --text_column")
     if args.resume_from_checkpoint and args.overwrite_output_dir:
         parser.error("--resume_from_checkpoint continues a run and --overwrite_output_dir discards it: choose one")
-    if args.load_best_model_at_end and args.save_total_limit == 1:
-        # The best checkpoint and the newest one are often different folders.
-        parser.error("--load_best_model_at_end needs --save_total_limit of 2 or more")
     if args.merge_lora and not args.use_peft:
         parser.error("--merge_lora merges a LoRA adapter into the model: it needs --use_peft")
     lora_settings = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")

@@ -57,7 +57,6 @@ def test_defaults_are_sensible():
         (["--dataset_config_name", "mrpc"], "--dataset_config_name needs --dataset_name"),
         (["--resume_from_checkpoint", "latest", "--overwrite_output_dir"], "choose one"),
         (["--text_column", "a", "--text_pair_column", "a"], "--text_pair_column must differ"),
-        (["--load_best_model_at_end", "--save_total_limit", "1"], "--save_total_limit of 2 or more"),
         (["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
         (
             ["--lerning_rate", "1"],

@@ -23,16 +23,19 @@ def run_main(*argv):
     return train.main(train.parse_train_args(list(argv)))
 
 
-def test_rotation_keeps_the_newest_and_the_best(tiny_model, data, tmp_path):
+@pytest.mark.parametrize("limit", [1, 2])
+def test_rotation_keeps_the_newest_and_the_best(tiny_model, data, tmp_path, limit):
+    """Trainer's rule: the best checkpoint is kept on top of the newest --save_total_limit ones, so a limit of 1
+    keeps the best and the newest (to resume from), as Trainer does."""
     out = tmp_path / "out"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "1",
-                         "--eval_steps", "2", "--save_total_limit", "2", "--metric_for_best_model", "loss",
+                         "--eval_steps", "2", "--save_total_limit", str(limit), "--metric_for_best_model", "loss",
                          "--load_best_model_at_end"))  # fmt: skip
     evaluations = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
     best = min(evaluations, key=lambda r: r["eval_loss"])
     assert best["step"] < 7, "this data makes an early evaluation the best"
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == sorted({f"checkpoint-{best['step']}", "checkpoint-7",
-                                                                       "checkpoint-8"})  # fmt: skip
+    newest = [f"checkpoint-{step}" for step in range(9 - limit, 9)]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == sorted({f"checkpoint-{best['step']}", *newest})
     kept = load_file(out / f"checkpoint-{best['step']}" / "model.safetensors")
     final = load_file(out / "model.safetensors")
     assert all((kept[k] == final[k]).all() for k in final), "the final model is the best one"
