@@ -8,6 +8,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 from accelerate import PartialState
 from conftest import REPO, WEIGHTS_ATOL, launch, load_script, run_in_process, run_model_card_snippet, train_args
 from datasets import Dataset
@@ -46,6 +47,19 @@ def test_auto_finds_word_and_tag_lists_by_any_name():
     assert detect_task(sentences)[0].name == "sequence-classification"
     uneven = Dataset.from_list([{"tokens": ["New", "York"], "ner_tags": ["B-LOC"]}])  # tags do not match words
     assert detect_task(uneven)[0].name == "sequence-classification"
+
+
+def test_entity_level_metrics_name_every_type_of_the_labels():
+    """An entity type that neither the evaluated rows nor the predictions hold is reported as 0, so every evaluation
+    has the same keys: --metric_for_best_model PER_f1 must find its value also when no PER is in sight."""
+    names = ("B-LOC", "B-PER", "I-LOC", "I-PER", "O")
+    task = TokenClassification(names, ("tokens", "ner_tags"), return_entity_level_metrics=True)
+    assert "PER_f1" in task.metric_names() and "LOC_number" in task.metric_names()
+    labels = torch.tensor([[0, 2, 4, -100]])  # B-LOC I-LOC O, then an ignored position
+    scores = task.metrics({"label": labels, "prediction": torch.tensor([[0, 2, 4, 1]])})
+    assert scores["LOC_f1"] == 1.0 and scores["LOC_number"] == 1
+    assert {key: scores[key] for key in scores if key.startswith("PER_")} == {
+        "PER_precision": 0.0, "PER_recall": 0.0, "PER_f1": 0.0, "PER_number": 0.0}  # fmt: skip
 
 
 def test_labels_go_on_the_first_sub_token_of_each_word():
@@ -111,7 +125,8 @@ def ner_run(tmp_path_factory, tiny_model):
     folder = tmp_path_factory.mktemp("ner")
     train, dev = jsonl_rows(UNER / "train.jsonl", 64, folder), jsonl_rows(UNER / "validation.jsonl", 29, folder)
     results = run_in_process("train", train_args(tiny_model, train, dev, folder / "out", "--num_train_epochs", "1",
-                                                 "--return_entity_level_metrics", "--max_length", "24"))  # fmt: skip
+                                                 "--return_entity_level_metrics", "--max_length", "24",
+                                                 "--metric_for_best_model", "eval_LOC_f1"))  # fmt: skip
     return {"results": results, "dev": dev, "out": folder / "out"}
 
 
@@ -120,6 +135,11 @@ def test_ner_reports_entity_level_metrics_and_evaluate_py_reproduces_them(ner_ru
     assert record["task"] == "token-classification" and record["text_column"] == "tokens"
     for key in ("eval_precision", "eval_recall", "eval_f1", "eval_accuracy", "eval_loss", "eval_LOC_f1"):
         assert key in results, key
+    types = {name[2:] for name in json.loads((ner_run["out"] / "config.json").read_text())["label2id"] if name != "O"}
+    assert {key for key in results if key.endswith("_number")} == {f"eval_{kind}_number" for kind in types}, (
+        "every entity type of the labels is reported, also one that the validation rows lack"
+    )
+    assert record["metric_for_best_model"] == "LOC_f1", "a per-entity metric can pick the best model"
     assert results["eval_samples"] == 29
     evaluate = load_script("evaluate")
     argv = ["--model_name_or_path", str(ner_run["out"]), "--validation_file", str(ner_run["dev"]), "--output_dir",

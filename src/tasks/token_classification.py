@@ -18,11 +18,12 @@ IGNORE = -100  # the label of special tokens, padding and (without --label_all_t
 WORD_COLUMNS = ("tokens", "words")
 CUT_COLUMN = "words_cut_off"  # per example, the words that --max_length leaves without a sub-token
 TAG_COLUMNS = ("ner_tags", "tags", "upos", "pos_tags", "ner", "labels", "label")
+ENTITY_SCORES = ("precision", "recall", "f1", "number")  # per entity type, as the token_scores metric reports them
 FLAGS = {
     "--label_all_tokens": "Label every sub-token of a word (B-X becomes I-X after the first), not the first only; the "
     "metrics then count sub-tokens too, as run_ner_no_trainer.py's do.",
     "--return_entity_level_metrics": "IOB tags: also precision, recall, F1 and count per entity type "
-    "(eval_<TYPE>_f1, ...).",
+    "(eval_<TYPE>_f1, ...; 0 for a type not in sight), which --metric_for_best_model can name.",
 }
 
 
@@ -203,8 +204,16 @@ class TokenClassification(Task):
             predicted.append([names[prediction] for _, prediction in kept])
         return true, predicted
 
+    def entity_types(self) -> list[str]:
+        return sorted({name[2:] for name in self.label_names if name != "O"})
+
     def metric_names(self) -> list[str]:
-        return ["precision", "recall", "f1", "accuracy", "loss"] if self.iob else ["accuracy", "f1", "loss"]
+        if not self.iob:
+            return ["accuracy", "f1", "loss"]
+        names = ["precision", "recall", "f1", "accuracy", "loss"]
+        if self.return_entity_level_metrics:  # LOC_f1 and the like can pick the best model too
+            names += [f"{entity}_{key}" for entity in self.entity_types() for key in ENTITY_SCORES]
+        return names
 
     def metrics(self, columns: dict) -> dict:
         from src.metrics import load_metric
@@ -214,9 +223,11 @@ class TokenClassification(Task):
         scores = metric.compute(predictions=predicted, references=true)
         by_entity = scores.pop("by_entity", {})
         if self.return_entity_level_metrics:
-            scores |= {
-                f"{entity}_{key}": value for entity, values in by_entity.items() for key, value in values.items()
-            }
+            # Every type of the labels, 0 where neither the data nor the predictions hold one: the same keys at every
+            # evaluation, for --metric_for_best_model and the trackers' curves.
+            none = dict.fromkeys(ENTITY_SCORES, 0.0)
+            scores |= {f"{entity}_{key}": value for entity in self.entity_types()
+                       for key, value in by_entity.get(entity, none).items()}  # fmt: skip
         return scores
 
     def prediction_rows(self, columns: dict, data) -> dict[str, list]:
