@@ -109,7 +109,9 @@ def main(args):
     metrics, columns = {"eval_samples": 0}, None
     if len(dataset):  # prompts alone (no answers to score) are only answered, below
         collator = task.collator(tokenizer, **padding_options(accelerator.device))  # as train.py pads
-        dataloader = accelerator.prepare(build_eval_dataloader(dataset, collator, args.per_device_eval_batch_size))
+        dataloader = accelerator.prepare(
+            build_eval_dataloader(dataset, collator, args.per_device_eval_batch_size, args.dataloader_num_workers)
+        )
         logger.info(
             f"Evaluating {args.model_name_or_path} on {len(dataset)} examples with {accelerator.num_processes} "
             f"process(es), batch size {args.per_device_eval_batch_size} per process"

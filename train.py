@@ -132,9 +132,10 @@ def build_dataloaders(args, accelerator, model, splits, tokenizer, task, resume_
     train_dataloader = build_train_dataloader(
         splits["train"], collator, sizes.per_device_train_batch_size, accelerator.num_processes, args.seed,
         args.group_by_length, accumulation=accelerator.gradient_accumulation_steps,
+        num_workers=args.dataloader_num_workers,
     )  # fmt: skip
     eval_dataloaders = {
-        name: build_eval_dataloader(split, collator, sizes.per_device_eval_batch_size)
+        name: build_eval_dataloader(split, collator, sizes.per_device_eval_batch_size, args.dataloader_num_workers)
         for name, split in splits.items()
         if name.startswith("validation")
     }

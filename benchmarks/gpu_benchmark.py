@@ -57,10 +57,12 @@ TINY = {
         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64
     ),
 }
-# (run name, model, runner, per-device batch, steps); runner: ours | trainer | lora | fsdp.
+# (run name, model, runner, per-device batch, steps); runner: ours | workers (ours with --dataloader_num_workers 4:
+# the H200 run of 2026-11-26 was paced by the host) | trainer | lora | fsdp.
 RUNS = [  # most wanted first: runs that would overrun the budget are the ones skipped
     ("bert-base train.py", "bert-base", "ours", 128, 150),
     ("bert-base Trainer", "bert-base", "trainer", 128, 150),
+    ("bert-base train.py, 4 collating workers", "bert-base", "workers", 128, 150),
     ("llama-1b LoRA train.py", "llama-1b", "lora", 16, 60),
     ("llama-1b full FSDP train.py", "llama-1b", "fsdp", 16, 60),
     ("minilm train.py", "minilm", "ours", 256, 150),
@@ -164,12 +166,14 @@ def ours_command(runner: str, model: Path, data: dict, batch: int, steps: int, o
                   "--report_to", "none", "--output_dir", str(out), "--overwrite_output_dir"]  # fmt: skip
     if runner == "lora":
         train_args += ["--use_peft"]
+    if runner == "workers":
+        train_args += ["--dataloader_num_workers", "4"]
     if not gpu:
         return [sys.executable, str(REPO / "train.py"), *train_args]
     config = "fsdp.yaml" if runner == "fsdp" else "single_gpu.yaml"
     config_file = str(REPO / "accelerate_configs" / config)
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file, "--num_processes", "1"]
-    if runner == "ours" and not args.no_compile:
+    if runner in ("ours", "workers") and not args.no_compile:
         # Accelerate's own switch: prepare() compiles each repeated layer once (fast to compile) with inductor.
         launch += ["--dynamo_backend", "inductor", "--dynamo_use_regional_compilation"]
     return [*launch, str(REPO / "train.py"), *train_args]
@@ -354,7 +358,7 @@ def write_report(args, started, device_name, versions, peak, results, log, sync)
              "| run | params M | batch x steps | steady tokens/s | MFU | vs Trainer | peak GPU GiB | wall s | status |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in results:
-        trainer = by_name.get(row["run"].replace("train.py", "Trainer"))
+        trainer = by_name.get(row["run"].split(" train.py")[0] + " Trainer")
         versus = ""
         if "train.py" in row["run"] and trainer and row.get("tokens_per_s") and trainer.get("tokens_per_s"):
             versus = f"{row['tokens_per_s'] / trainer['tokens_per_s']:.2f}x"

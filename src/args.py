@@ -162,6 +162,13 @@ def _add_data_arguments(group, split_help):
         "1024), or the model's limit if less; evaluate.py: the training run's.",
     )
     group.add_argument("--max_eval_samples", type=_positive_int, help=f"Keep only the first N rows of {split_help}.")
+    group.add_argument(
+        "--dataloader_num_workers",
+        type=_non_negative_int,
+        default=0,
+        help="Processes that collate batches beside each process, as in Trainer; 0: the process itself. On a GPU they "
+        "take collation off the step's path; on a small CPU they take cores from the computation.",
+    )
 
 
 def _add_text_file_arguments(group):

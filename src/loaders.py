@@ -76,9 +76,15 @@ def padding_collator(tokenizer, pad_to_multiple_of=None, pad_to_length=None) -> 
     return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
 
 
-def build_train_dataloader(
-    dataset: Dataset, collator, batch_size: int, num_processes: int, seed: int, group_by_length=True, accumulation=1
-) -> DataLoader:
+def _workers(num_workers: int) -> dict:
+    """DataLoader options for `num_workers` collating processes (--dataloader_num_workers), kept across epochs.
+
+    The sampler stays in this process, so batches, their order and an exact resume do not depend on the workers."""
+    return {"num_workers": num_workers, "persistent_workers": num_workers > 0}
+
+
+def build_train_dataloader(dataset: Dataset, collator, batch_size: int, num_processes: int, seed: int,
+                           group_by_length=True, accumulation=1, num_workers=0) -> DataLoader:  # fmt: skip
     update = batch_size * num_processes * accumulation  # the examples of one optimizer step
     sampler = LengthGroupedSampler(lengths_of(dataset), update, seed, group_by_length)
     return DataLoader(
@@ -90,10 +96,11 @@ def build_train_dataloader(
         # or a resumed run would drop out different units than the uninterrupted one.
         generator=torch.Generator().manual_seed(seed),
         pin_memory=torch.cuda.is_available(),  # lets the non-blocking copy to the GPU really overlap
+        **_workers(num_workers),
     )
 
 
-def build_eval_dataloader(dataset: Dataset, collator, batch_size: int) -> DataLoader:
+def build_eval_dataloader(dataset: Dataset, collator, batch_size: int, num_workers: int = 0) -> DataLoader:
     """Longest examples first, so batches hold similar lengths; `evaluate` puts results back in row order."""
     by_length = np.argsort(-lengths_of(dataset), kind="stable").tolist()
     return DataLoader(
@@ -103,4 +110,5 @@ def build_eval_dataloader(dataset: Dataset, collator, batch_size: int) -> DataLo
         collate_fn=collator,
         generator=torch.Generator().manual_seed(0),
         pin_memory=torch.cuda.is_available(),
+        **_workers(num_workers),
     )

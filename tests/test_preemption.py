@@ -300,6 +300,8 @@ def test_each_stop_signal_gives_its_documented_exit_status(tiny_model, data, tmp
 
 
 def test_max_time_checkpoints_and_resumes_exactly_in_process(tiny_model, data, tmp_path):
+    """The resumed half collates in 2 worker processes (--dataloader_num_workers): the same batches, in the same order,
+    from the same place in the epoch as the reference run's collated in the process itself."""
     reference, folder = tmp_path / "reference", tmp_path / "timed"
     train.main(train.parse_train_args(run_args(tiny_model, data, reference, 1)))
     with pytest.raises(SystemExit) as stopped:
@@ -307,7 +309,8 @@ def test_max_time_checkpoints_and_resumes_exactly_in_process(tiny_model, data, t
     assert stopped.value.code == 0, "--max_time is a planned stop, not a failure"
     (saved,) = checkpoints(folder)
     assert saved == "checkpoint-1", "the first step takes longer than 60 ns on any machine"
-    train.main(train.parse_train_args(run_args(tiny_model, data, folder, 1, "--resume_from_checkpoint", "latest")))
+    resume = ("--resume_from_checkpoint", "latest", "--dataloader_num_workers", "2")
+    train.main(train.parse_train_args(run_args(tiny_model, data, folder, 1, *resume)))
     assert_same_weights(reference, folder)
 
 
