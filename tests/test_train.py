@@ -226,7 +226,7 @@ def test_evaluate_pads_batches_as_train_does(tiny_model, tmp_path, monkeypatch):
     dataset = task.features(Dataset.from_list(rows), tokenizer, 64)
     monkeypatch.setattr(train, "padding_options", as_on_cuda)
     batching = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "per_device_eval_batch_size": 4,
-                "group_by_length": True}  # fmt: skip
+                "group_by_length": True, "dataloader_num_workers": 0}  # fmt: skip
     args = SimpleNamespace(max_length=64, pad_to_max_length=False, auto_find_batch_size=False, seed=0, **batching)
     accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1, gradient_accumulation_steps=1)
     _, train_loader, eval_loaders = train.build_dataloaders(
