@@ -2,9 +2,9 @@
 is a plain `nn.Module` (no Transformers class). It reads the data, computes the loss and the metrics as sequence
 classification does, and builds, saves and loads its own model; train.py and evaluate.py run it unchanged:
 
-    accelerate launch --num_processes 2 train.py --task examples.custom_task:BagOfWordsClassification \\
-        --embedding_dim 64 --learning_rate 5e-3 --train_file train.csv --validation_file dev.csv \\
-        --output_dir outputs/bow
+    accelerate launch --config_file accelerate_configs/cpu.yaml train.py \\
+        --task examples.custom_task:BagOfWordsClassification --embedding_dim 64 --learning_rate 5e-3 \\
+        --train_file train.csv --validation_file dev.csv --output_dir outputs/bow
     accelerate launch evaluate.py --model_name_or_path outputs/bow --validation_file dev.csv
 
 Its own flag, --embedding_dim, exists when this task is chosen. The tokenizer is --model_name_or_path's (the packaged

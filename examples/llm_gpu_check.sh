@@ -139,4 +139,4 @@ memory)
   check less-memory "$WORK/logs/lora-checkpointed.mem" "$WORK/logs/lora-plain.mem"
   ;;
 esac
-echo "llm_gpu_check $STAGE: every check passed"
+if [ -n "$DRY_RUN" ]; then echo "llm_gpu_check $STAGE: dry run, nothing was run"; else echo "llm_gpu_check $STAGE: every check passed"; fi

@@ -22,18 +22,48 @@ SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constan
 PRECISIONS = ["no", "fp16", "bf16"]
 # "all": every installed tracker that accelerate supports, as in transformers' examples.
 TRACKERS = ["tensorboard", "wandb", "mlflow", "comet_ml", "clearml", "all", "none"]
+# Trainer's and TRL's flags that have another spelling here (or none): what to write instead. Spelling alone would
+# point --save_steps at --eval_steps.
+UPSTREAM_FLAGS = {
+    "--save_steps": "--checkpointing_steps N",
+    "--save_strategy": "--checkpointing_steps N|epoch",
+    "--eval_strategy": "--eval_steps N (default: at each epoch's end)",
+    "--evaluation_strategy": "--eval_steps N (default: at each epoch's end)",
+    "--do_train": "nothing (train.py trains and evaluates; evaluate.py only evaluates)",
+    "--do_eval": "nothing (train.py trains and evaluates; evaluate.py only evaluates)",
+    "--do_predict": "evaluate.py, which writes predictions.csv",
+    "--lr": "--learning_rate",
+    "--max_steps": "--max_train_steps",
+    "--warmup_steps": "--num_warmup_steps (steps) or --warmup_ratio",
+    "--bf16": "--mixed_precision bf16",
+    "--fp16": "--mixed_precision fp16",
+    "--use_cpu": "accelerate launch --cpu train.py",
+    "--no_cuda": "accelerate launch --cpu train.py",
+    "--optim": "nothing (AdamW; another optimizer: src/optimizer.py)",
+    "--dataset_text_field": "--text_column",
+    "--dataset_num_proc": "--preprocessing_num_workers",
+}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _format_action_invocation(self, action):
+        if isinstance(action, Switch):  # `--flag [true|false], --no-flag`: the --no- form takes no value
+            return ", ".join(o if o.startswith("--no-") else f"{o} [true|false]" for o in action.option_strings)
+        return super()._format_action_invocation(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, **kwargs):
         # No prefix matching: `--task` must never be read as `--task_name`, nor a typo as some longer flag.
-        super().__init__(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+        super().__init__(allow_abbrev=False, formatter_class=_HelpFormatter, **kwargs)
 
     def error(self, message):
         if message.startswith("unrecognized arguments: "):  # a flag of Trainer's or of another script, a typo
             known = [option for action in self._actions for option in action.option_strings]
-            close = {word: difflib.get_close_matches(word.split("=")[0], known, n=1) for word in message.split()[2:]}
-            hints = [f"{word} -> {match[0]}" for word, match in close.items() if word.startswith("--") and match]
+            flags = [word.split("=")[0] for word in message.split()[2:] if word.startswith("--")]
+            close = {flag: UPSTREAM_FLAGS.get(flag) or next(iter(difflib.get_close_matches(flag, known, n=1)), None)
+                     for flag in flags}  # fmt: skip
+            hints = [f"{flag} -> {hint}" for flag, hint in close.items() if hint]
             message += f"; did you mean {', '.join(hints)}?" if hints else ""
         # argparse's default prints the whole usage block first; with 40 flags that buries the message.
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -62,6 +92,7 @@ _positive_float = _number(float, lambda v: 0 < v < math.inf, "a positive number"
 _non_negative_float = _number(float, lambda v: 0 <= v < math.inf, "0 or more")
 _fraction = _number(float, lambda v: 0 <= v < 1, "in [0, 1)")
 _threshold = _number(float, lambda v: 0 < v < 1, "between 0 and 1")
+_seed = _number(int, lambda v: 0 <= v < 2**32, "between 0 and 4294967295 (numpy's seeds)")
 
 
 def _glue_task(text):
@@ -74,20 +105,36 @@ def _glue_task(text):
 
 
 def _yes_no(text):
-    # transformers' examples declare this flag with type=bool, where "--trust_remote_code False" meant True.
     words = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
     if text.lower() not in words:
         raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
     return words[text.lower()]
 
 
+class Switch(argparse.Action):
+    """An on/off flag: `--flag`, `--flag true|false` or `--no-flag`. Trainer's and TRL's flags take a value
+    (`--gradient_checkpointing True`, `--packing True`), and transformers' examples' type=bool ones read
+    `--trust_remote_code False` as true: here every spelling means what it says."""
+
+    def __init__(self, option_strings, dest, default=False, help=None, **kwargs):
+        negatives = [f"--no-{option[2:]}" for option in option_strings if option.startswith("--")]
+        super().__init__(
+            [*option_strings, *negatives], dest, nargs="?", type=_yes_no, default=default, help=help,
+            metavar="true|false", **kwargs,
+        )  # fmt: skip
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        if option_string.startswith("--no-"):
+            if value is not None:
+                parser.error(f"{option_string} takes no value: write {option_string} or --{option_string[5:]} {value}")
+            value = False
+        setattr(namespace, self.dest, True if value is None else value)
+
+
 def _add_remote_code_argument(group):
     group.add_argument(
         "--trust_remote_code",
-        type=_yes_no,
-        nargs="?",
-        const=True,
-        default=False,
+        action=Switch,
         help="Run the Python code that a model or tokenizer repository ships (its own architecture). Only for "
         "repositories whose code you have read: it runs on your machine. Datasets never run code (datasets 5).",
     )
@@ -127,8 +174,7 @@ def _add_timeout_arguments(group):
 
 
 def _switch(group, flag: str, default=None, help: str = ""):
-    """An on/off flag, with its --no- form."""
-    group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+    group.add_argument(flag, action=Switch, default=default, help=help)
 
 
 def _steps_or_epoch(text):
@@ -283,7 +329,7 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         "model fine-tuned on 2 classes); --no-ignore_mismatched_sizes refuses such a checkpoint instead.",
     )
     model.add_argument(
-        "--use_slow_tokenizer", action="store_true", help="Not available: transformers 5 has fast tokenizers only."
+        "--use_slow_tokenizer", action=Switch, help="Not available: transformers 5 has fast tokenizers only."
     )
 
     data = parser.add_argument_group("data (no dataset or files: the built-in synthetic demo task)")
@@ -345,9 +391,10 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     train.add_argument(
         "--mixed_precision",
         choices=PRECISIONS,
-        help="Default: what `accelerate config` chose; without one, bf16 autocast where it is faster (GPUs with bf16, "
-        "CPUs with AMX, CPUs with avx512_bf16 where a timing says so: src/precision.py), "
-        "else no (fp32).",
+        help="Default: fp16 or bf16 if `accelerate config` chose it (its 'no' is also what launchers pass when "
+        "nothing was chosen, so it counts as no choice: pass --mixed_precision no for fp32); else bf16 autocast "
+        "where it is faster (GPUs with bf16, CPUs with AMX, CPUs with avx512_bf16 where a timing says so: "
+        "src/precision.py), else no (fp32).",
     )
     train.add_argument(
         "--cpu_threads",
@@ -355,7 +402,9 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         help="Threads per process on a CPU run. Default: OMP_NUM_THREADS if you exported it, else the "
         "machine's physical cores shared among its processes (launchers' OMP_NUM_THREADS=1 is ignored).",
     )
-    train.add_argument("--seed", type=int, default=42, help="Seed for weights of the new head, data order and dropout.")
+    train.add_argument(
+        "--seed", type=_seed, default=42, help="Seed for weights of the new head, data order and dropout."
+    )
     _switch(
         train,
         "--group_by_length",
@@ -513,7 +562,8 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
     for key, value in _read_config(parser, path).items():
         if key not in actions or key in ("config", "help"):
             close = difflib.get_close_matches(str(key), actions, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = UPSTREAM_FLAGS.get(f"--{key}") or (repr(close[0]) if close else None)
+            hint = f"; did you mean {hint}?" if hint else ""
             parser.error(f"--config {path}: unknown key {key!r}{hint}")
         if actions[key].dest in given:
             parser.error(f"--config {path}: {given[actions[key].dest]} and {key} are the same flag: keep one")
@@ -521,10 +571,10 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
         if value is None:
             continue
         action = actions[key]
-        if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+        if isinstance(action, Switch) or action.nargs == 0:
             if not isinstance(value, bool):
                 parser.error(f"--config {path}: {key} must be true or false, got {value!r}")
-            if isinstance(action, argparse.BooleanOptionalAction):
+            if isinstance(action, Switch):
                 words.append(f"--{key}" if value else f"--no-{key}")
             elif value:
                 words.append(f"--{key}")

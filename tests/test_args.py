@@ -66,6 +66,16 @@ def test_defaults_are_sensible():
         (["--ddp_timeout", "0"], "--ddp_timeout: must be a positive integer"),
         (["--ddp_timeout", "30m"], "--ddp_timeout: must be a whole number, got '30m'"),
         (["--data_preparation_timeout", "99999999999"], "--data_preparation_timeout: must be at most 30 days"),
+        (["--seed", "-1"], "--seed: must be between 0 and 4294967295"),
+        (["--seed", "4294967296"], "--seed: must be between 0 and 4294967295"),
+        (["--use_peft", "maybe"], "--use_peft/--no-use_peft: must be true or false, got 'maybe'"),
+        (["--no-use_peft", "true"], "--no-use_peft takes no value"),
+        (["--save_steps", "500"], "did you mean --save_steps -> --checkpointing_steps N?"),
+        (
+            ["--eval_strategy", "steps", "--bf16"],
+            "--eval_strategy -> --eval_steps N (default: at each epoch's end), --bf16 -> --mixed_precision bf16?",
+        ),
+        (["--dataset_text_field=text"], "--dataset_text_field -> --text_column"),
     ],
 )
 def test_bad_values_get_one_line_naming_the_flag(capsys, argv, culprit):
@@ -139,6 +149,21 @@ def test_evaluate_needs_a_model_from_the_command_line_or_its_config(tmp_path, ca
     args = parse_eval_args(["--config", str(config)])
     # No --output_dir: the results go to the model folder (evaluate.py's main() decides where, from this).
     assert args.model_name_or_path == str(tmp_path) and args.output_dir is None
+
+
+ON_OFF = ["--use_peft", "--load_best_model_at_end", "--overwrite_output_dir", "--gradient_checkpointing",
+          "--trust_remote_code", "--packing", "--assistant_only_loss", "--return_entity_level_metrics"]  # fmt: skip
+
+
+@pytest.mark.parametrize("flag", ON_OFF)
+def test_on_off_flags_take_trainers_true_and_false(flag):
+    """Trainer and TRL write `--gradient_checkpointing True`; transformers' examples' type=bool read 'False' as true."""
+    task = {"--packing": "causal-lm", "--assistant_only_loss": "causal-lm"}.get(flag, "auto")
+    dest = flag[2:]
+    assert getattr(parse_train_args(["--task", task, flag]), dest) is True
+    for word, value in (("True", True), ("true", True), ("1", True), ("False", False), ("no", False)):
+        assert getattr(parse_train_args(["--task", task, flag, word]), dest) is value, word
+    assert getattr(parse_train_args(["--task", task, f"--no-{dest}"]), dest) is False
 
 
 def test_on_off_flags_can_be_turned_off_from_the_command_line(tmp_path):

@@ -239,6 +239,8 @@ def test_chat_rows_and_templates_that_cannot_be_learnt_are_one_line(tokenizer, t
         chat_task(tokenizer, chat_template_path=template, assistant_only_loss=True)
     with pytest.raises(UserError, match="--assistant_only_loss is for chat rows"):
         CausalLM.from_data(options(assistant_only_loss=True), Dataset.from_list([{"text": "the plot"}]))
+    with pytest.raises(UserError, match="--packing is for prompt/completion and chat rows; text is cut into blocks"):
+        CausalLM.from_data(options(packing=True), Dataset.from_list([{"text": "the plot"}]))
     task, chat_tokenizer = chat_task(tokenizer, chat_template_path=CHAT_TEMPLATE)
     with pytest.raises(UserError, match="a chat row must list turns with 'role' and 'content'"):
         task.features(Dataset.from_list([{"messages": [{"speaker": "user", "text": "hi"}]}]), chat_tokenizer, 64)

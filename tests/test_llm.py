@@ -493,6 +493,7 @@ def test_the_gpu_check_shards_fsdp_over_several_gpus_and_says_one_gpu_shards_not
     assert "--num_processes 1 train.py" in single and "shards nothing, a smoke test only" in single
     checks = [line for line in gpu_check_commands("single").splitlines() if line.startswith("check: ")]
     assert [line.split()[1] for line in checks] == ["batch", "resume", "evaluate", "evaluate"]
+    assert "dry run, nothing was run" in single and "every check passed" not in single
 
 
 def test_the_gpu_checks_fail_with_a_reason_when_a_number_is_off(tmp_path, capsys):

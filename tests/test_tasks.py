@@ -118,6 +118,19 @@ def test_multi_label_encoding_loss_and_predictions(tmp_path, tiny_model):
         replace(task, columns=("sentence", None, "label")).features(single, tokenizer, 16)
 
 
+def test_string_labels_in_a_column_named_labels_become_class_ids(tmp_path, tiny_model):
+    """datasets types an output column like the input column of the same name: a CSV's `labels` of class names
+    would come back as the ids written as strings, which no collator can batch."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    rows = [{"text": r["sentence"], "labels": r["label"]} for r in sentiment_rows(6)]
+    for suffix in (".csv", ".tsv", ".jsonl"):
+        data = load_file(write_rows(tmp_path / f"d{suffix}", rows))
+        task = detect_task(data, "labels")
+        encoded = task.features(data, tokenizer, 16)
+        assert encoded.features["labels"] == Value("int64"), suffix
+        assert encoded["labels"] == [task.label2id[r["labels"]] for r in rows], suffix
+
+
 def test_multi_label_metrics_agree_with_scikit_learn():
     task = SequenceClassification(MULTI_LABEL, ("a", "b", "c"))
     predictions = [[1, 0, 0], [1, 1, 0], [0, 0, 0], [0, 0, 1]]
@@ -495,7 +508,7 @@ def test_trust_remote_code_from_a_config_file(tmp_path):
         (["--push_to_hub", "--hub_model_id", "a/b/c"], "--hub_model_id 'a/b/c' is not a Hub repository name"),
         (["--push_to_hub", "--output_dir", "/tmp/my run!"], "--output_dir's name 'my run!' is not a Hub repository"),
         (["--multi_label_threshold", "1.5"], "--multi_label_threshold: must be between 0 and 1"),
-        (["--trust_remote_code", "maybe"], "--trust_remote_code: must be true or false"),
+        (["--trust_remote_code", "maybe"], "--trust_remote_code/--no-trust_remote_code: must be true or false"),
         (["--task_name", "squad"], "--task_name: 'squad' is not a GLUE task (cola, sst2,"),
         (["--class_weights", "inverse"], "--class_weights: invalid choice"),
     ],

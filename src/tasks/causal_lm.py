@@ -7,7 +7,6 @@ content) or ShareGPT `conversations` (from and value): chat; `prompt` + `complet
 TRL's defaults: a completion only (--completion_only_loss), every token of a chat unless --assistant_only_loss.
 """
 
-import argparse
 import bisect
 import math
 import re
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from accelerate.logging import get_logger
 from datasets import Dataset
 
+from src.args import Switch
 from src.errors import UserError
 from src.loaders import INDEX_COLUMN, LENGTH_COLUMN
 from src.tasks.base import Step, Task
@@ -58,13 +58,13 @@ class CausalLM(Task):
         group = parser.add_argument_group("causal LM")
         group.add_argument(
             "--completion_only_loss",
-            action=argparse.BooleanOptionalAction,
+            action=Switch,
             default=True,
             help="Prompt/completion rows: learn the completion (and its EOS) only, not the prompt (TRL's default).",
         )
         group.add_argument(
             "--assistant_only_loss",
-            action="store_true",
+            action=Switch,
             help="Chat rows: learn the assistant's turns only (else every token, TRL's default). Needs a chat "
             "template that marks them with {%% generation %%} (examples/chat_template.jinja does).",
         )
@@ -75,7 +75,7 @@ class CausalLM(Task):
         )
         group.add_argument(
             "--packing",
-            action="store_true",
+            action=Switch,
             help="Pack the training examples into rows of up to --max_length tokens (best-fit decreasing), each "
             "example apart from the others (its own positions and attention): fewer padded tokens, the same update. "
             "--per_device_train_batch_size then counts rows. Evaluation is not packed.",
@@ -97,6 +97,11 @@ class CausalLM(Task):
             )
         if args.assistant_only_loss and fmt != CHAT:
             raise UserError(f"--assistant_only_loss is for chat rows (`messages`), and this data is {fmt}: drop it")
+        if args.packing and fmt == TEXT:
+            raise UserError(
+                "--packing is for prompt/completion and chat rows; text is cut into blocks of --max_length tokens "
+                "already (as run_clm_no_trainer.py does): drop --packing"
+            )
         template = None
         if args.chat_template_path:
             try:

@@ -218,8 +218,13 @@ class SequenceClassification(Task):
                 encoded["labels"] = [label2id[n] for n in names]
             return encoded
 
-        return dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
-                           num_proc=num_proc, desc="Tokenizing")  # fmt: skip
+        encoded = dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
+                              num_proc=num_proc, desc="Tokenizing")  # fmt: skip
+        # datasets types an output column as the input column of the same name: class names in a column called
+        # `labels` (a CSV's, say) would leave the class ids written as strings.
+        if label_column == "labels" and encoded.features["labels"] in (Value("string"), Value("large_string")):
+            encoded = encoded.cast_column("labels", Value("int64"))
+        return encoded
 
     # --- one batch ---
     def step(self, model, batch: dict) -> Step:

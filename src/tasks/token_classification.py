@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from accelerate.logging import get_logger
 from datasets import ClassLabel, Dataset, LargeList, List, Sequence, Value
 
+from src.args import Switch
 from src.errors import UserError
 from src.loaders import INDEX_COLUMN, LENGTH_COLUMN
 from src.tasks.base import Step, Task
@@ -42,7 +43,7 @@ class TokenClassification(Task):
     def add_arguments(parser):
         group = parser.add_argument_group("token classification")
         for flag, explanation in FLAGS.items():
-            group.add_argument(flag, action="store_true", help=explanation)
+            group.add_argument(flag, action=Switch, help=explanation)
 
     @staticmethod
     def recognises(train: Dataset) -> str | None:
