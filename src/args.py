@@ -42,7 +42,13 @@ UPSTREAM_FLAGS = {
     "--optim": "nothing (AdamW; another optimizer: src/optimizer.py)",
     "--dataset_text_field": "--text_column",
     "--dataset_num_proc": "--preprocessing_num_workers",
+    "--torch_dtype": "--mixed_precision bf16 (fp32 weights, computed in bf16)",
+    "--dtype": "--mixed_precision bf16 (fp32 weights, computed in bf16)",
+    "--padding_free": "--packing",
+    "--run_name": "--output_dir (trackers name the run after its folder)",
 }
+# Closer than this to one of our flags is a typo of it; further, another script's flag that a hint would mislead.
+TYPO_CUTOFF = 0.8
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -61,9 +67,11 @@ class ArgumentParser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments: "):  # a flag of Trainer's or of another script, a typo
             known = [option for action in self._actions for option in action.option_strings]
             flags = [word.split("=")[0] for word in message.split()[2:] if word.startswith("--")]
-            close = {flag: UPSTREAM_FLAGS.get(flag) or next(iter(difflib.get_close_matches(flag, known, n=1)), None)
-                     for flag in flags}  # fmt: skip
-            hints = [f"{flag} -> {hint}" for flag, hint in close.items() if hint]
+            hints = []
+            for flag in flags:
+                close = difflib.get_close_matches(flag, known, 1, TYPO_CUTOFF)
+                if hint := UPSTREAM_FLAGS.get(flag) or (close and close[0]):
+                    hints.append(f"{flag} -> {hint}")
             message += f"; did you mean {', '.join(hints)}?" if hints else ""
         # argparse's default prints the whole usage block first; with 40 flags that buries the message.
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -99,7 +107,8 @@ def _glue_task(text):
     if text not in GLUE_TASKS:  # run_ner's `--task_name ner` names no dataset: the data says what the task is
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a GLUE task ({', '.join(GLUE_TASKS)}); other data needs no task name: --train_file (and "
-            "--task, if the data's columns do not say which task it is)"
+            "--task, if the data's columns do not say which task it is; run_ner's --task_name pos or ner picks the "
+            "tag column: --label_column pos_tags)"
         )
     return text
 
@@ -293,9 +302,11 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     model.add_argument("--lora_dropout", type=_fraction, default=0.05, help="Dropout on the inputs of LoRA adapters.")
     model.add_argument(
         "--lora_target_modules",
+        nargs="+",
+        metavar="NAME",
         default="all-linear",
-        help="Comma-separated names of the modules that get adapters (e.g. q_proj,v_proj), or all-linear: every "
-        "linear layer of the backbone (not the head).",
+        help="Names of the modules that get adapters, comma- or space-separated (q_proj,v_proj or q_proj v_proj, as "
+        "TRL writes them), or all-linear: every linear layer of the backbone (not the head).",
     )
     _switch(
         model,
@@ -561,7 +572,7 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
     words, given = [], {}
     for key, value in _read_config(parser, path).items():
         if key not in actions or key in ("config", "help"):
-            close = difflib.get_close_matches(str(key), actions, n=1)
+            close = difflib.get_close_matches(str(key), actions, 1, TYPO_CUTOFF)
             hint = UPSTREAM_FLAGS.get(f"--{key}") or (repr(close[0]) if close else None)
             hint = f"; did you mean {hint}?" if hint else ""
             parser.error(f"--config {path}: unknown key {key!r}{hint}")
@@ -698,6 +709,8 @@ def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> arg
         parser.error("--resume_from_checkpoint continues a run and --overwrite_output_dir discards it: choose one")
     if args.merge_lora and not args.use_peft:
         parser.error("--merge_lora merges a LoRA adapter into the model: it needs --use_peft")
+    if isinstance(args.lora_target_modules, list):  # one text, as args.json has always held it
+        args.lora_target_modules = ",".join(args.lora_target_modules)
     lora_settings = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
     changed = [f"--{name}" for name in lora_settings if getattr(args, name) != parser.get_default(name)]
     if changed and not args.use_peft:  # without it the whole model trains and these would be silently ignored

@@ -93,7 +93,10 @@ def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
     if spec == "latest":
         latest = newest_checkpoint(output_dir)
         if latest is None:
-            raise UserError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir}")
+            raise UserError(
+                f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir} yet; to start the run, "
+                "drop --resume_from_checkpoint"
+            )
         return latest
     path = Path(spec)
     if not path.is_dir():

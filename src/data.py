@@ -160,5 +160,8 @@ def detect_columns(
     if label_column is None:
         label_column = next((c for c in LABEL_COLUMNS if c in column_names), None)
         if label_column is None and need_label:
-            raise UserError(f"no label column found among: {available}; name it with --label_column")
+            raise UserError(
+                f"no label column found among: {available}; name it with --label_column (or, to fine-tune a causal LM "
+                "on the text, pass --task causal-lm)"
+            )
     return text_column, text_pair_column, label_column

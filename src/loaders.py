@@ -76,6 +76,24 @@ def padding_collator(tokenizer, pad_to_multiple_of=None, pad_to_length=None) -> 
     return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
 
 
+def padding_column_too(pad, column: str, value: int, side: str):
+    """The collator `pad`, with `column` (a list per row that the tokenizer does not pad) padded with `value` to each
+    batch's width on the tokenizer's padding `side`. A collator that lacks the column in its rows is `pad` itself."""
+
+    def collate(rows: list[dict]) -> dict:
+        if column not in rows[0]:
+            return pad(rows)
+        batch = pad([{key: row[key] for key in row if key != column} for row in rows])
+        width = batch["input_ids"].shape[1]
+        padding = [[value] * (width - len(row[column])) for row in rows]
+        batch[column] = torch.tensor(
+            [row[column] + fill if side == "right" else fill + row[column] for row, fill in zip(rows, padding)]
+        )
+        return batch
+
+    return collate
+
+
 def _workers(num_workers: int) -> dict:
     """DataLoader options for `num_workers` collating processes (--dataloader_num_workers), kept across epochs.
 

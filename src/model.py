@@ -116,12 +116,7 @@ def load_config(args, fields: dict, tokenizer, decoder: bool = False):
                   if args.config_name
                   else AutoConfig.for_model(args.model_type))  # fmt: skip
         if args.config_overrides:
-            try:
-                config.update_from_string(args.config_overrides)
-            except ValueError as err:
-                raise UserError(f"--config_overrides {args.config_overrides!r}: {err}; give name=value pairs "
-                                "separated by commas, e.g. num_hidden_layers=2,hidden_size=128") from err  # fmt: skip
-            _check_head_counts(config, args.config_overrides)
+            config = _overridden(config, args.config_overrides, rebuild=not args.config_name)
         # Its embeddings and special tokens are the tokenizer's, whatever tokenizer the config came with.
         special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         config.update({**fields, "vocab_size": len(tokenizer), **special})
@@ -132,13 +127,33 @@ def load_config(args, fields: dict, tokenizer, decoder: bool = False):
     return config
 
 
+def _overridden(config, overrides: str, rebuild: bool):
+    """`config` with --config_overrides applied. `rebuild` (--model_type's defaults): built again from the changed
+    values, so that what the architecture derives from them follows, as `LlamaConfig(hidden_size=64,
+    num_attention_heads=4)` gets head_dim 16 where changing the attributes would keep the default's 128. A
+    --config_name file's other values stay as written."""
+    try:
+        config.update_from_string(overrides)
+    except ValueError as err:
+        raise UserError(f"--config_overrides {overrides!r}: {err}; give name=value pairs separated by commas, e.g. "
+                        "num_hidden_layers=2,hidden_size=128") from err  # fmt: skip
+    if rebuild:
+        config = type(config)(**{key: getattr(config, key) for key in _override_keys(overrides)})
+    _check_head_counts(config, overrides)
+    return config
+
+
+def _override_keys(overrides: str) -> list[str]:
+    return [pair.split("=")[0].strip() for pair in overrides.split(",")]
+
+
 def _check_head_counts(config, overrides: str):
     """Sizes that --config_overrides changed one at a time must still divide, or the first forward pass fails deep in
     the attention code (Llama's default of 32 key/value heads stays when only num_attention_heads is lowered). Only
     the pairs the overrides touch are checked; a config with its own head size (head_dim, T5's d_kv) needs no
     hidden_size that the heads divide."""
     standard = {own: name for name, own in config.attribute_map.items()}  # GPT-2's n_head is num_attention_heads
-    changed = {standard.get(key, key) for key in (pair.split("=")[0].strip() for pair in overrides.split(","))}
+    changed = {standard.get(key, key) for key in _override_keys(overrides)}
     own_head_size = getattr(config, "head_dim", None) or getattr(config, "d_kv", None)
     pairs = [("num_attention_heads", "num_key_value_heads")]
     pairs += [] if own_head_size else [("hidden_size", "num_attention_heads")]

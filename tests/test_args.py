@@ -62,7 +62,7 @@ def test_defaults_are_sensible():
             ["--lerning_rate", "1"],
             "unrecognized arguments: --lerning_rate 1; did you mean --lerning_rate -> --learning",
         ),
-        (["--task_name", "ner"], "'ner' is not a GLUE task (cola, sst2, "),
+        (["--task_name", "ner"], "run_ner's --task_name pos or ner picks the tag column: --label_column pos_tags"),
         (["--ddp_timeout", "0"], "--ddp_timeout: must be a positive integer"),
         (["--ddp_timeout", "30m"], "--ddp_timeout: must be a whole number, got '30m'"),
         (["--data_preparation_timeout", "99999999999"], "--data_preparation_timeout: must be at most 30 days"),
@@ -76,6 +76,8 @@ def test_defaults_are_sensible():
             "--eval_strategy -> --eval_steps N (default: at each epoch's end), --bf16 -> --mixed_precision bf16?",
         ),
         (["--dataset_text_field=text"], "--dataset_text_field -> --text_column"),
+        (["--padding_free"], "--padding_free -> --packing"),
+        (["--eos_token", "</s>"], "unrecognized arguments: --eos_token </s> (see --help)"),  # no --hub_token hint
     ],
 )
 def test_bad_values_get_one_line_naming_the_flag(capsys, argv, culprit):
@@ -181,3 +183,8 @@ def test_the_example_run_files_hold_only_train_py_flags():
     for config in sorted((REPO / "examples").glob("*.yaml")):
         args = parse_train_args(["--config", str(config)])
         assert args.output_dir is not None, config
+
+
+def test_lora_target_modules_take_trls_spaces_and_our_commas():
+    for argv in (["q_proj", "v_proj"], ["q_proj,v_proj"]):
+        assert parse_train_args(["--use_peft", "--lora_target_modules", *argv]).lora_target_modules == "q_proj,v_proj"

@@ -11,7 +11,7 @@ from conftest import REPO, WEIGHTS_ATOL, launch, run_in_process, run_model_card_
 from datasets import Dataset
 
 from src.errors import UserError
-from src.model import load_tokenizer
+from src.model import default_model_path, load_tokenizer
 from src.plan import best_metric, learning_rate
 from src.tasks import detect_task
 from src.tasks.causal_lm import CHAT, IGNORE, PROMPT_COMPLETION, TEXT, CausalLM
@@ -24,7 +24,13 @@ MESSAGES = [{"role": "user", "content": "the plot"}, {"role": "assistant", "cont
 
 def options(**given):
     """The causal-LM flags as parsed, with their defaults."""
-    flags = {"completion_only_loss": True, "assistant_only_loss": False, "packing": False, "chat_template_path": None}
+    flags = {
+        "completion_only_loss": True,
+        "assistant_only_loss": False,
+        "packing": False,
+        "chat_template_path": None,
+        "text_column": None,
+    }
     return types.SimpleNamespace(trust_remote_code=False, **(flags | given))
 
 
@@ -43,6 +49,25 @@ def tokenizer(tiny_decoders):
 
 def learnt(tokenizer, ids, labels) -> str:
     return tokenizer.decode([i for i, label in zip(ids, labels) if label != IGNORE])
+
+
+def test_text_column_names_the_text_and_each_text_ends_with_one_eos(tokenizer):
+    """TRL's dataset_text_field is --text_column here. A tokenizer that ends every text with its EOS already (BERT's
+    [SEP], the docs' tokenizer for a new model) gets no second one."""
+    data = Dataset.from_list(
+        [{"body": "the plot was good", "id": 1}, {"body": "", "id": 2}, {"body": "the acting", "id": 3}]
+    )
+    task = CausalLM.from_data(options(text_column="body"), data)
+    assert (task.format, task.text_column, task.record()["text_column"]) == (TEXT, "body", "body")
+    blocks = task.features(data, tokenizer, 64)
+    expected = [*tokenizer("the plot was good")["input_ids"], tokenizer.eos_token_id,
+                *tokenizer("the acting")["input_ids"], tokenizer.eos_token_id]  # fmt: skip
+    assert blocks["input_ids"] == [expected]
+    assert CausalLM.from_record(task.record(), options(), None, ["body"]) == task, "evaluate.py reads the same column"
+
+    bert = CausalLM(TEXT).load_tokenizer(default_model_path(), options())
+    ids = task.features(data.select([0]), bert, 64)["input_ids"][0]
+    assert ids[-1] == bert.eos_token_id and ids.count(bert.eos_token_id) == 1, bert.convert_ids_to_tokens(ids)
 
 
 def test_prompt_completion_learns_the_completion_and_its_eos_only(tokenizer):
@@ -241,6 +266,14 @@ def test_chat_rows_and_templates_that_cannot_be_learnt_are_one_line(tokenizer, t
         CausalLM.from_data(options(assistant_only_loss=True), Dataset.from_list([{"text": "the plot"}]))
     with pytest.raises(UserError, match="--packing is for prompt/completion and chat rows; text is cut into blocks"):
         CausalLM.from_data(options(packing=True), Dataset.from_list([{"text": "the plot"}]))
+    with pytest.raises(
+        UserError, match="--no-completion_only_loss is for prompt/completion rows, and this data is chat"
+    ):
+        CausalLM.from_data(options(completion_only_loss=False), Dataset.from_list([{"messages": MESSAGES}]))
+    with pytest.raises(UserError, match="--chat_template_path is for chat rows .*, and this data is prompt-completion"):
+        CausalLM.from_data(
+            options(chat_template_path=CHAT_TEMPLATE), Dataset.from_list([{"prompt": "a", "completion": "b"}])
+        )
     task, chat_tokenizer = chat_task(tokenizer, chat_template_path=CHAT_TEMPLATE)
     with pytest.raises(UserError, match="a chat row must list turns with 'role' and 'content'"):
         task.features(Dataset.from_list([{"messages": [{"speaker": "user", "text": "hi"}]}]), chat_tokenizer, 64)
@@ -334,14 +367,19 @@ def test_a_new_models_config_and_tokenizer_errors_name_their_flags(tiny_decoders
         return load_config(types.SimpleNamespace(**(new | {"model_type": model_type}), config_overrides=overrides),
                            {}, tokenizer)  # fmt: skip
 
-    # Llama's 32 key/value heads stay when only the attention heads are lowered; GPT-2 spells its sizes n_embd, n_head.
-    with pytest.raises(UserError, match="num_attention_heads 4 is not a multiple of num_key_value_heads 32; set"):
-        new_config("llama", "hidden_size=64,num_attention_heads=4")
+    # Sizes that do not divide are named; GPT-2 spells its sizes n_embd, n_head.
+    with pytest.raises(UserError, match="num_attention_heads 4 is not a multiple of num_key_value_heads 3; set"):
+        new_config("llama", "hidden_size=64,num_attention_heads=4,num_key_value_heads=3")
     with pytest.raises(UserError, match="'n_embd=60,n_head=8': hidden_size 60 is not a multiple of num_attention_he"):
         new_config("gpt2", "n_embd=60,n_head=8")
     new_config("seed_oss", "num_hidden_layers=2")  # 4096 / 80 heads of its own head_dim: untouched, not refused
     config = new_config("llama", "hidden_size=64,num_attention_heads=4,num_key_value_heads=2")
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (64, 4, 2)
+    # What the architecture derives follows, as in LlamaConfig(hidden_size=64, num_attention_heads=4): head_dim 16
+    # (the default's is 128), and as many key/value heads as heads (the default's 32 would not divide 4).
+    config = new_config("llama", "hidden_size=64,num_attention_heads=4")
+    assert (config.head_dim, config.num_key_value_heads) == (16, 4)
+    assert new_config("llama", "hidden_size=64,num_attention_heads=4,num_key_value_heads=2,head_dim=8").head_dim == 8
     missing = str(tmp_path / "missing")
     with pytest.raises(UserError, match=f"--config_name {missing}: cannot load a model config"):
         load_config(types.SimpleNamespace(**(new | {"config_name": missing}), config_overrides=None), {}, tokenizer)

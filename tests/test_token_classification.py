@@ -82,6 +82,32 @@ def test_labels_go_on_the_first_sub_token_of_each_word():
         "B-LOC"] + ["I-LOC"] * (word_ids.count(2) - 1)  # fmt: skip
 
 
+def test_predictions_csv_has_a_tag_per_word_with_or_without_gold_tags_and_label_all_tokens():
+    """Rows hold each word's tag at its first sub-token; --label_all_tokens labels the later ones too (scored, as in
+    run_ner), yet a word still gets one tag in predictions.csv."""
+    task = TokenClassification(("B-LOC", "I-LOC", "O"), ("tokens", "ner_tags"), label_all_tokens=True)
+    data = Dataset.from_list([{"tokens": ["in", "Antananarivo", "now"]}, {"tokens": ["Oslo"]}])
+    ignore = IGNORE
+    word_ids = torch.tensor([[ignore, 0, 1, 1, 1, 2, ignore], [ignore, 0, ignore, ignore, ignore, ignore, ignore]])
+    labels = torch.tensor([[ignore, 2, 0, 1, 1, 2, ignore], [ignore, 0, ignore, ignore, ignore, ignore, ignore]])
+    predicted = torch.tensor([[2, 2, 0, 1, 2, 2, 0], [1, 0, 2, 2, 2, 2, 2]])
+    columns = {"word_ids": word_ids, "prediction": predicted}
+    per_word = ['["O", "B-LOC", "O"]', '["B-LOC"]']
+    assert task.prediction_rows(columns, data) == {"words": ['["in", "Antananarivo", "now"]', '["Oslo"]'],
+                                                   "prediction": per_word}  # fmt: skip
+    rows = task.prediction_rows(columns | {"label": labels}, data)
+    assert list(rows) == ["words", "label", "prediction"] and rows["label"] == rows["prediction"] == per_word
+
+
+def test_entity_level_metrics_of_tags_that_are_not_iob_are_refused():
+    data = Dataset.from_list([{"tokens": ["I", "ran"], "upos": ["PRON", "VERB"]}])
+    with pytest.raises(UserError, match=r"--return_entity_level_metrics scores entities of IOB tags .* 'upos' holds"):
+        TokenClassification.from_data(flags(return_entity_level_metrics=True), data)
+    plain = TokenClassification(("PRON", "VERB"), ("tokens", "upos"), return_entity_level_metrics=True)
+    scores = plain.metrics({"label": torch.tensor([[IGNORE, 0, 1]]), "prediction": torch.tensor([[0, 0, 0]])})
+    assert set(scores) == {"accuracy", "f1"}, "a record from before the refusal gets the plain tags' metrics"
+
+
 def test_words_cut_off_by_max_length_are_counted(caplog):
     tokenizer = load_tokenizer(default_model_path())
     data = Dataset.from_list([{"tokens": ["a"] * 20, "ner_tags": ["O"] * 20}, {"tokens": ["b"], "ner_tags": ["O"]}])
@@ -154,8 +180,27 @@ def test_ner_reports_entity_level_metrics_and_evaluate_py_reproduces_them(ner_ru
         assert json.loads(row["words"]) == sentence["tokens"]
         tags, predicted = json.loads(row["label"]), json.loads(row["prediction"])
         assert tags == sentence["ner_tags"][: len(tags)] and len(predicted) == len(tags) > 0
+    # New text, words alone: the same tag per word as above, and no label column.
+    words_only = tmp_path / "words.jsonl"
+    words_only.write_text("".join(json.dumps({"tokens": sentence["tokens"]}) + "\n" for sentence in sentences))
+    argv[argv.index("--validation_file") + 1], argv[argv.index("--output_dir") + 1] = (
+        str(words_only),
+        str(tmp_path / "new"),
+    )
+    assert evaluate.main(evaluate.parse_eval_args(argv)) == {"eval_samples": 29}
+    tagged = list(csv.DictReader((tmp_path / "new" / "predictions.csv").open()))
+    assert list(tagged[0]) == ["index", "words", "prediction"]
+    assert [row["prediction"] for row in tagged] == [row["prediction"] for row in rows]
     printed = run_model_card_snippet(ner_run["out"])  # the pipeline on "Your text here": entities found, or none
     assert printed.startswith("[") and ("entity_group" in printed or printed.strip() == "[]"), printed
+
+
+def test_evaluating_data_without_the_word_column_names_the_flags(ner_run):
+    record = json.loads((ner_run["out"] / "args.json").read_text())
+    with pytest.raises(
+        UserError, match=r"no column 'tokens' of words \(its columns: words, ner\): name it with --text"
+    ):
+        TokenClassification.from_record(record, flags(trust_remote_code=False), ner_run["out"], ["words", "ner"])
 
 
 def test_three_ranks_gather_every_example_once_as_one_rank_does(ner_run, tmp_path):

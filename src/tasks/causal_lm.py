@@ -22,7 +22,7 @@ from datasets import Dataset
 
 from src.args import Switch
 from src.errors import UserError
-from src.loaders import INDEX_COLUMN, LENGTH_COLUMN
+from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, padding_column_too
 from src.tasks.base import Step, Task
 
 logger = get_logger(__name__)
@@ -39,6 +39,7 @@ class CausalLM(Task):
     completion_only_loss: bool = True  # prompt/completion rows: no loss on the prompt
     assistant_only_loss: bool = False  # chat rows: loss on the assistant's turns only (else on every token)
     packing: bool = False  # training rows packed from several examples each (--packing)
+    text_column: str = "text"  # text rows: the column read (--text_column, TRL's dataset_text_field)
     # --chat_template_path's text, put into the tokenizer (and so saved with it); not part of the run record.
     chat_template: str | None = field(default=None, compare=False, repr=False)
 
@@ -89,14 +90,19 @@ class CausalLM(Task):
 
     @classmethod
     def from_data(cls, args, train: Dataset) -> "CausalLM":
-        fmt = _format_of(train.column_names)
+        fmt = TEXT if args.text_column else _format_of(train.column_names)
         if fmt is None:
             raise UserError(
                 f"causal-LM fine-tuning reads `messages` (or `conversations`), `prompt` + `completion`, or `text` "
-                f"(or a .txt file); the columns are {', '.join(train.column_names)}"
+                f"(or a .txt file, or the column --text_column names); the columns are {', '.join(train.column_names)}"
             )
         if args.assistant_only_loss and fmt != CHAT:
             raise UserError(f"--assistant_only_loss is for chat rows (`messages`), and this data is {fmt}: drop it")
+        if not args.completion_only_loss and fmt != PROMPT_COMPLETION:
+            raise UserError(f"--no-completion_only_loss is for prompt/completion rows, and this data is {fmt}: drop it "
+                            "(chat rows learn every token unless --assistant_only_loss)")  # fmt: skip
+        if args.chat_template_path and fmt != CHAT:
+            raise UserError(f"--chat_template_path is for chat rows (`messages`), and this data is {fmt}: drop it")
         if args.packing and fmt == TEXT:
             raise UserError(
                 "--packing is for prompt/completion and chat rows; text is cut into blocks of --max_length tokens "
@@ -108,22 +114,25 @@ class CausalLM(Task):
                 template = Path(args.chat_template_path).read_text()
             except OSError as err:
                 raise UserError(f"--chat_template_path {args.chat_template_path}: {err.strerror}") from err
-        return cls(fmt, args.completion_only_loss, args.assistant_only_loss, args.packing, template)
+        return cls(fmt, args.completion_only_loss, args.assistant_only_loss, args.packing,
+                   text_column=args.text_column or "text", chat_template=template)  # fmt: skip
 
     @classmethod
     def from_record(cls, record: dict, args, model_dir, column_names: list[str]) -> "CausalLM":
-        fmt = _format_of(column_names)
+        text_column = args.text_column or record.get("text_column")
+        fmt = TEXT if text_column else _format_of(column_names)
         if fmt is None and "prompt" in column_names and args.predict_with_generate:
             fmt = PROMPT_COMPLETION  # prompts to answer, with no answers to score
         if fmt is None:
             raise UserError(f"the data has no columns a causal LM reads (its columns: {', '.join(column_names)})")
         # Runs recorded before these options existed learnt completions only, and every token of a chat.
         return cls(fmt, record.get("completion_only_loss", True), record.get("assistant_only_loss", False),
-                   record.get("packing", False))  # fmt: skip
+                   record.get("packing", False), text_column=text_column or "text")  # fmt: skip
 
     def record(self) -> dict:
         return {"format": self.format, "completion_only_loss": self.completion_only_loss,
-                "assistant_only_loss": self.assistant_only_loss, "packing": self.packing}  # fmt: skip
+                "assistant_only_loss": self.assistant_only_loss, "packing": self.packing,
+                "text_column": self.text_column if self.format == TEXT else None}  # fmt: skip
 
     def describe(self) -> str:
         answers_only = (self.format == PROMPT_COMPLETION and self.completion_only_loss) or self.assistant_only_loss
@@ -158,7 +167,7 @@ class CausalLM(Task):
     def features(self, dataset: Dataset, tokenizer, max_length: int, num_proc: int | None = None) -> Dataset:
         """input_ids and labels (-100 where nothing is to be learnt: prompts, user turns, padding)."""
         if self.format == TEXT:
-            return _text_blocks(dataset, tokenizer, max_length, num_proc)
+            return _text_blocks(dataset, self.text_column, tokenizer, max_length, num_proc)
         if self.format == CHAT:
             encode = partial(_chat_example, tokenizer, assistant_only=self.assistant_only_loss)
         else:
@@ -201,7 +210,9 @@ class CausalLM(Task):
         # the model must learn to write (transformers' language-modeling collator does; trl #1623).
         padding = {"padding": "max_length", "max_length": pad_to_length} if pad_to_length else {}
         pad = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of, **padding)
-        return _padding_position_ids(pad, tokenizer.padding_side)
+        # Packed rows' position ids are padded with 0 where the tokens are padded, so that each padding token is a
+        # sequence of its own, which no example attends to.
+        return padding_column_too(pad, "position_ids", 0, tokenizer.padding_side)
 
     # --- one batch ---
     def units(self, batch: dict) -> torch.Tensor:
@@ -313,13 +324,15 @@ def _messages(row: dict) -> list[dict]:
                                          "content": turn["value"]} for turn in turns]  # fmt: skip
 
 
-def _text_blocks(dataset: Dataset, tokenizer, block: int, num_proc: int | None) -> Dataset:
-    """Every text's tokens and EOS, concatenated over the whole split and cut into blocks of `block` tokens; the last,
-    shorter block is kept (run_clm_no_trainer.py drops the end of every 1,000 rows). Texts are tokenized in
-    `num_proc` processes; the cutting is one pass over the whole split, so the blocks do not depend on it."""
+def _text_blocks(dataset: Dataset, column: str, tokenizer, block: int, num_proc: int | None) -> Dataset:
+    """Every text's tokens and EOS (unless the tokenizer ends it with EOS itself), concatenated over the whole split
+    and cut into blocks of `block` tokens; the last, shorter block is kept (run_clm_no_trainer.py drops the end of
+    every 1,000 rows). Texts are tokenized in `num_proc` processes; the cutting is one pass over the whole split, so
+    the blocks do not depend on it."""
 
     def tokens(batch):
-        return {"ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch["text"])["input_ids"]]}
+        eos = [tokenizer.eos_token_id]
+        return {"ids": [ids if ids[-1:] == eos else ids + eos for ids in tokenizer(batch[column])["input_ids"]]}
 
     def blocks(batch):
         ids = [t for text in batch["ids"] for t in text]
@@ -327,7 +340,7 @@ def _text_blocks(dataset: Dataset, tokenizer, block: int, num_proc: int | None) 
         return {"input_ids": chunks, "attention_mask": [[1] * len(c) for c in chunks], "labels": chunks,
                 INDEX_COLUMN: list(range(len(chunks))), LENGTH_COLUMN: [len(c) for c in chunks]}  # fmt: skip
 
-    texts = dataset.filter(lambda row: bool(row["text"] and row["text"].strip()), desc="Dropping empty lines")
+    texts = dataset.filter(lambda row: bool(row[column] and row[column].strip()), desc="Dropping empty lines")
     tokenized = texts.map(tokens, batched=True, remove_columns=texts.column_names, num_proc=num_proc,
                           desc="Tokenizing")  # fmt: skip
     return tokenized.map(blocks, batched=True, batch_size=None, remove_columns=["ids"], desc="Cutting into blocks")
@@ -381,26 +394,6 @@ def _packed_rows(features: Dataset, max_length: int) -> Dataset:
 
     return features.map(rows, batched=True, batch_size=1000, remove_columns=features.column_names,
                         desc="Packing")  # fmt: skip
-
-
-def _padding_position_ids(pad, padding_side: str):
-    """The collator `pad`, for packed rows too: their position ids are padded with 0 where the tokens are padded, so
-    that each padding token is a sequence of its own, which no example attends to."""
-
-    def collate(rows: list[dict]) -> dict:
-        if "position_ids" not in rows[0]:
-            return pad(rows)
-        batch = pad([{key: value for key, value in row.items() if key != "position_ids"} for row in rows])
-        width = batch["input_ids"].shape[1]
-        batch["position_ids"] = torch.tensor([_padded(row["position_ids"], width, padding_side) for row in rows])
-        return batch
-
-    return collate
-
-
-def _padded(positions: list[int], width: int, side: str) -> list[int]:
-    padding = [0] * (width - len(positions))
-    return positions + padding if side == "right" else padding + positions
 
 
 def _model_inputs(batch: dict) -> dict:

@@ -11,13 +11,16 @@ from datasets import ClassLabel, Dataset, LargeList, List, Sequence, Value
 
 from src.args import Switch
 from src.errors import UserError
-from src.loaders import INDEX_COLUMN, LENGTH_COLUMN
+from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, padding_column_too
 from src.tasks.base import Step, Task
 
 logger = get_logger(__name__)
 IGNORE = -100  # the label of special tokens, padding and (without --label_all_tokens) later sub-tokens of a word
 WORD_COLUMNS = ("tokens", "words")
 CUT_COLUMN = "words_cut_off"  # per example, the words that --max_length leaves without a sub-token
+# Per sub-token, the number of its word (-100 for special tokens and padding): predictions.csv's tag of a word is
+# its first sub-token's, with or without gold tags, and with --label_all_tokens too.
+WORD_IDS = "word_ids"
 TAG_COLUMNS = ("ner_tags", "tags", "upos", "pos_tags", "ner", "labels", "label")
 ENTITY_SCORES = ("precision", "recall", "f1", "number")  # per entity type, as the token_scores metric reports them
 FLAGS = {
@@ -62,7 +65,13 @@ class TokenClassification(Task):
         words, tags = found
         feature = train.features[tags].feature
         names = feature.names if isinstance(feature, ClassLabel) else sorted({t for row in train[tags] for t in row})
-        return cls(tuple(names), found, args.label_all_tokens, args.return_entity_level_metrics)
+        task = cls(tuple(names), found, args.label_all_tokens, args.return_entity_level_metrics)
+        if task.return_entity_level_metrics and not task.iob:
+            raise UserError(
+                f"--return_entity_level_metrics scores entities of IOB tags (B-X, I-X, O), and {tags!r} holds other "
+                f"tags ({', '.join(names[:5])}, ...), scored by accuracy and F1 per word: drop the flag"
+            )
+        return task
 
     @classmethod
     def from_record(cls, record: dict, args, model_dir, column_names: list[str]) -> "TokenClassification":
@@ -76,7 +85,8 @@ class TokenClassification(Task):
             raise UserError(f"--label_column {tags!r} is not in the data; its columns are: {', '.join(column_names)}")
         columns = (words, tags if tags in column_names else None)
         if words not in column_names:
-            raise UserError(f"the data has no column {words!r} of words (its columns: {', '.join(column_names)})")
+            raise UserError(f"the data has no column {words!r} of words (its columns: {', '.join(column_names)}): name "
+                            "it with --text_column (and the tags' with --label_column)")  # fmt: skip
         return cls(names, columns, record.get("label_all_tokens", False), record.get("return_entity_level_metrics"))
 
     def record(self) -> dict:
@@ -129,9 +139,10 @@ class TokenClassification(Task):
             encoded = tokenizer(rows[words_column], is_split_into_words=True, truncation=True, max_length=max_length)
             encoded[INDEX_COLUMN] = indices
             encoded[LENGTH_COLUMN] = [len(ids) for ids in encoded["input_ids"]]
-            encoded[CUT_COLUMN], all_labels = [], []
+            encoded[CUT_COLUMN], encoded[WORD_IDS], all_labels = [], [], []
             for row, words in enumerate(rows[words_column]):
                 word_ids = encoded.word_ids(row)
+                encoded[WORD_IDS].append([IGNORE if word is None else word for word in word_ids])
                 encoded[CUT_COLUMN].append(len(words) - max((w for w in word_ids if w is not None), default=-1) - 1)
                 if tags_column is None:
                     continue
@@ -176,7 +187,8 @@ class TokenClassification(Task):
         from transformers import DataCollatorForTokenClassification
 
         padding = {"padding": "max_length", "max_length": pad_to_length} if pad_to_length else {}
-        return DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of, **padding)
+        pad = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of, **padding)
+        return padding_column_too(pad, WORD_IDS, IGNORE, tokenizer.padding_side)
 
     # --- one batch ---
     def units(self, batch: dict) -> torch.Tensor:
@@ -185,9 +197,9 @@ class TokenClassification(Task):
     def step(self, model, batch: dict) -> Step:
         """The cross-entropy of every labelled sub-token, summed; per example its tags, predictions, summed loss
         and labelled sub-tokens."""
-        labels = batch.pop("labels", None)
+        labels, word_ids = batch.pop("labels", None), batch.pop(WORD_IDS)
         logits = model(**batch)["logits"].float()
-        outputs = {"prediction": logits.argmax(-1)}
+        outputs = {"prediction": logits.argmax(-1), WORD_IDS: word_ids}
         if labels is None:
             return Step(logits.new_zeros(()), logits.new_zeros(()), outputs)
         losses = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
@@ -223,7 +235,7 @@ class TokenClassification(Task):
         metric = load_metric("token_scores", "iob" if self.iob else "tags")
         scores = metric.compute(predictions=predicted, references=true)
         by_entity = scores.pop("by_entity", {})
-        if self.return_entity_level_metrics:
+        if self.iob and self.return_entity_level_metrics:
             # Every type of the labels, 0 where neither the data nor the predictions hold one: the same keys at every
             # evaluation, for --metric_for_best_model and the trackers' curves.
             none = dict.fromkeys(ENTITY_SCORES, 0.0)
@@ -232,14 +244,15 @@ class TokenClassification(Task):
         return scores
 
     def prediction_rows(self, columns: dict, data) -> dict[str, list]:
-        """Per sentence, as JSON lists: its words, their gold tags (if the data has them) and the predicted tags (of
-        the words within --max_length). Without gold tags the words are written alone: which sub-token starts a word
-        is known from the labels only."""
+        """Per sentence, as JSON lists: its words, their gold tags (if the data has them) and the predicted tags, one
+        per word within --max_length (its first sub-token's)."""
         rows = {"words": [json.dumps(words, ensure_ascii=False) for words in data[self.columns[0]]]}
-        if "label" not in columns:
-            return rows
-        true, predicted = self.tag_rows(columns)
-        return rows | {"label": [json.dumps(row) for row in true], "prediction": [json.dumps(row) for row in predicted]}
+        for key in ("label", "prediction") if "label" in columns else ("prediction",):
+            rows[key] = []
+            for word_ids, tags in zip(columns[WORD_IDS].tolist(), columns[key].tolist()):
+                firsts = [i for i, word in enumerate(word_ids) if word != IGNORE and word_ids[i - 1 : i] != [word]]
+                rows[key].append(json.dumps([self.label_names[tags[i]] for i in firsts]))
+        return rows
 
     # --- the model card ---
     def model_card(self, where: str, base_name: str, adapter: bool) -> dict:
