@@ -298,7 +298,11 @@ def prepare_for_training(model, args, accelerator, task):
         if not model.supports_gradient_checkpointing:
             raise UserError(f"--gradient_checkpointing: {type(model).__name__} does not support it; leave it off")
         # Non-reentrant: works with frozen inputs (LoRA), DDP and FSDP, and needs no inputs that require grad.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        options = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.23's name; the old one warns
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+        else:  # earlier transformers (GPU images ship their own)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     if args.use_peft:
         from src.lora import add_lora
 

@@ -4,6 +4,7 @@
 import csv
 import json
 import shutil
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -307,7 +308,9 @@ def test_lora_flags_are_checked(tiny_decoders, data, tmp_path, capsys):
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_gradient_checkpointing_changes_no_result(tiny_decoders, data, tmp_path, lora):
-    model, _ = built(tiny_decoders["llama"], "--gradient_checkpointing", *(["--use_peft"] if lora else []))
+    with warnings.catch_warnings():  # through transformers' current name, not the deprecated one
+        warnings.filterwarnings("error", "`gradient_checkpointing_enable` is deprecated", FutureWarning)
+        model, _ = built(tiny_decoders["llama"], "--gradient_checkpointing", *(["--use_peft"] if lora else []))
     assert (model.get_base_model() if lora else model).is_activation_checkpointing
     extra = ("--max_train_steps", "4", "--logging_steps", "1", *(["--use_peft"] if lora else []))  # LoRA dropout on
     plain = run_train(*train_args(tiny_decoders["llama"], *data, tmp_path / "plain", *extra))
