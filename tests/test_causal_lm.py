@@ -64,6 +64,8 @@ def test_text_column_names_the_text_and_each_text_ends_with_one_eos(tokenizer):
                 *tokenizer("the acting")["input_ids"], tokenizer.eos_token_id]  # fmt: skip
     assert blocks["input_ids"] == [expected]
     assert CausalLM.from_record(task.record(), options(), None, ["body"]) == task, "evaluate.py reads the same column"
+    chat = CausalLM.from_record(task.record(), options(), None, ["messages"])  # data without it: found as train.py does
+    assert (chat.format, chat.text_column) == (CHAT, "text")
 
     bert = CausalLM(TEXT).load_tokenizer(default_model_path(), options())
     ids = task.features(data.select([0]), bert, 64)["input_ids"][0]

@@ -119,7 +119,8 @@ class CausalLM(Task):
 
     @classmethod
     def from_record(cls, record: dict, args, model_dir, column_names: list[str]) -> "CausalLM":
-        text_column = args.text_column or record.get("text_column")
+        # The text column named, or the one the model was trained on, where the data has it; else as train.py finds.
+        text_column = next((c for c in (args.text_column, record.get("text_column")) if c in column_names), None)
         fmt = TEXT if text_column else _format_of(column_names)
         if fmt is None and "prompt" in column_names and args.predict_with_generate:
             fmt = PROMPT_COMPLETION  # prompts to answer, with no answers to score
