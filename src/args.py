@@ -113,11 +113,13 @@ def _glue_task(text):
     return text
 
 
+YES_NO = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
 def _yes_no(text):
-    words = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
-    if text.lower() not in words:
+    if text.lower() not in YES_NO:
         raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
-    return words[text.lower()]
+    return YES_NO[text.lower()]
 
 
 class Switch(argparse.Action):
@@ -583,12 +585,16 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
             continue
         action = actions[key]
         if isinstance(action, Switch) or action.nargs == 0:
+            if isinstance(value, str) and value.lower() in YES_NO:  # quoted: "true"
+                value = YES_NO[value.lower()]
             if not isinstance(value, bool):
                 parser.error(f"--config {path}: {key} must be true or false, got {value!r}")
             if isinstance(action, Switch):
                 words.append(f"--{key}" if value else f"--no-{key}")
             elif value:
                 words.append(f"--{key}")
+        elif isinstance(value, list) and action.nargs == "+" and value:  # lora_target_modules: [q_proj, v_proj]
+            words += [f"--{key}", *map(str, value)]
         elif isinstance(value, (dict, list)):
             parser.error(f"--config {path}: {key} must be a single value, got {value!r}")
         else:

@@ -1,6 +1,9 @@
 """From tokenized rows to batches: the length-grouped sampler, the padding collator and the dataloaders, built the
 same way for training, evaluation and the batch-size probe."""
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from datasets import Dataset
@@ -76,22 +79,28 @@ def padding_collator(tokenizer, pad_to_multiple_of=None, pad_to_length=None) -> 
     return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
 
 
-def padding_column_too(pad, column: str, value: int, side: str):
+@dataclass
+class PaddingColumnToo:
     """The collator `pad`, with `column` (a list per row that the tokenizer does not pad) padded with `value` to each
-    batch's width on the tokenizer's padding `side`. A collator that lacks the column in its rows is `pad` itself."""
+    batch's width on the tokenizer's padding `side`; rows without the column go to `pad` as they are. A class, not a
+    closure: DataLoader workers started by spawn (macOS, Windows) receive the collator pickled."""
 
-    def collate(rows: list[dict]) -> dict:
-        if column not in rows[0]:
-            return pad(rows)
-        batch = pad([{key: row[key] for key in row if key != column} for row in rows])
+    pad: Callable[[list[dict]], dict]
+    column: str
+    value: int
+    side: str
+
+    def __call__(self, rows: list[dict]) -> dict:
+        if self.column not in rows[0]:
+            return self.pad(rows)
+        batch = self.pad([{key: row[key] for key in row if key != self.column} for row in rows])
         width = batch["input_ids"].shape[1]
-        padding = [[value] * (width - len(row[column])) for row in rows]
-        batch[column] = torch.tensor(
-            [row[column] + fill if side == "right" else fill + row[column] for row, fill in zip(rows, padding)]
-        )
+        padded = []
+        for row in rows:
+            fill = [self.value] * (width - len(row[self.column]))
+            padded.append(row[self.column] + fill if self.side == "right" else fill + row[self.column])
+        batch[self.column] = torch.tensor(padded)
         return batch
-
-    return collate
 
 
 def _workers(num_workers: int) -> dict:

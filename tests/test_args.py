@@ -188,3 +188,10 @@ def test_the_example_run_files_hold_only_train_py_flags():
 def test_lora_target_modules_take_trls_spaces_and_our_commas():
     for argv in (["q_proj", "v_proj"], ["q_proj,v_proj"]):
         assert parse_train_args(["--use_peft", "--lora_target_modules", *argv]).lora_target_modules == "q_proj,v_proj"
+
+
+def test_yaml_takes_trls_lists_of_modules_and_quoted_true_and_false(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text('use_peft: "true"\nlora_target_modules: [q_proj, v_proj]\ngroup_by_length: "False"\n')
+    args = parse_train_args(["--config", str(config)])
+    assert (args.use_peft, args.lora_target_modules, args.group_by_length) == (True, "q_proj,v_proj", False)

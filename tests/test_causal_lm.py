@@ -66,6 +66,8 @@ def test_text_column_names_the_text_and_each_text_ends_with_one_eos(tokenizer):
     assert CausalLM.from_record(task.record(), options(), None, ["body"]) == task, "evaluate.py reads the same column"
     chat = CausalLM.from_record(task.record(), options(), None, ["messages"])  # data without it: found as train.py does
     assert (chat.format, chat.text_column) == (CHAT, "text")
+    with pytest.raises(UserError, match=r"--text_column 'title' is not in the data; its columns are: body"):
+        CausalLM.from_record(task.record(), options(text_column="title"), None, ["body"])
 
     bert = CausalLM(TEXT).load_tokenizer(default_model_path(), options())
     ids = task.features(data.select([0]), bert, 64)["input_ids"][0]

@@ -129,6 +129,11 @@ def test_string_labels_in_a_column_named_labels_become_class_ids(tmp_path, tiny_
         encoded = task.features(data, tokenizer, 16)
         assert encoded.features["labels"] == Value("int64"), suffix
         assert encoded["labels"] == [task.label2id[r["labels"]] for r in rows], suffix
+    # The same for a column of that name that is not the label column.
+    beside = [{"text": r["text"], "sentiment": r["labels"], "labels": "unrelated"} for r in rows]
+    data = load_file(write_rows(tmp_path / "beside.csv", beside))
+    task = detect_task(data, "sentiment")
+    assert task.features(data, tokenizer, 16)["labels"] == [task.label2id[r["labels"]] for r in rows]
 
 
 def test_multi_label_metrics_agree_with_scikit_learn():
@@ -609,3 +614,21 @@ def test_notebook_launcher_runs_two_cpu_processes(tmp_path, tiny_model):
     assert (
         results["num_processes"] == 2 and results["cpu_threads_per_process"] == share and results["eval_samples"] == 9
     )
+
+
+def test_every_tasks_collator_pickles_for_dataloader_workers_started_by_spawn():
+    """--dataloader_num_workers on macOS and Windows (and Python 3.14's forkserver) sends the collator pickled."""
+    import pickle
+
+    from src.model import default_model_path, load_tokenizer
+    from src.tasks.causal_lm import CausalLM
+    from src.tasks.token_classification import TokenClassification
+
+    tokenizer = load_tokenizer(default_model_path())
+    tagger = TokenClassification(("B-LOC", "O"), ("tokens", "ner_tags"))
+    rows = tagger.features(Dataset.from_list([{"tokens": ["in", "Oslo"], "ner_tags": ["O", "B-LOC"]}]), tokenizer, 16)
+    rows = [{key: row[key] for key in ("input_ids", "attention_mask", "labels", "word_ids")} for row in rows]
+    for task in (SequenceClassification(SINGLE_LABEL, ("a", "b")), CausalLM(), tagger):
+        collator = pickle.loads(pickle.dumps(task.collator(tokenizer)))
+        assert callable(collator), type(task).__name__
+    assert collator(rows)["word_ids"].tolist() == [[-100, 0, 1, -100]]

@@ -22,7 +22,7 @@ from datasets import Dataset
 
 from src.args import Switch
 from src.errors import UserError
-from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, padding_column_too
+from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, PaddingColumnToo
 from src.tasks.base import Step, Task
 
 logger = get_logger(__name__)
@@ -119,6 +119,9 @@ class CausalLM(Task):
 
     @classmethod
     def from_record(cls, record: dict, args, model_dir, column_names: list[str]) -> "CausalLM":
+        if args.text_column and args.text_column not in column_names:
+            raise UserError(f"--text_column {args.text_column!r} is not in the data; its columns are: "
+                            f"{', '.join(column_names)}")  # fmt: skip
         # The text column named, or the one the model was trained on, where the data has it; else as train.py finds.
         text_column = next((c for c in (args.text_column, record.get("text_column")) if c in column_names), None)
         fmt = TEXT if text_column else _format_of(column_names)
@@ -213,7 +216,7 @@ class CausalLM(Task):
         pad = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of, **padding)
         # Packed rows' position ids are padded with 0 where the tokens are padded, so that each padding token is a
         # sequence of its own, which no example attends to.
-        return padding_column_too(pad, "position_ids", 0, tokenizer.padding_side)
+        return PaddingColumnToo(pad, "position_ids", 0, tokenizer.padding_side)
 
     # --- one batch ---
     def units(self, batch: dict) -> torch.Tensor:

@@ -220,9 +220,9 @@ class SequenceClassification(Task):
 
         encoded = dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
                               num_proc=num_proc, desc="Tokenizing")  # fmt: skip
-        # datasets types an output column as the input column of the same name: class names in a column called
-        # `labels` (a CSV's, say) would leave the class ids written as strings.
-        if label_column == "labels" and encoded.features["labels"] in (Value("string"), Value("large_string")):
+        # datasets types an output column as the input column of the same name: strings in a column called `labels`
+        # (the class names, or another column beside --label_column) would leave the class ids written as strings.
+        if encoded.features.get("labels") in (Value("string"), Value("large_string")):
             encoded = encoded.cast_column("labels", Value("int64"))
         return encoded
 

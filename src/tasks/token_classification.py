@@ -11,7 +11,7 @@ from datasets import ClassLabel, Dataset, LargeList, List, Sequence, Value
 
 from src.args import Switch
 from src.errors import UserError
-from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, padding_column_too
+from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, PaddingColumnToo
 from src.tasks.base import Step, Task
 
 logger = get_logger(__name__)
@@ -188,15 +188,15 @@ class TokenClassification(Task):
 
         padding = {"padding": "max_length", "max_length": pad_to_length} if pad_to_length else {}
         pad = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of, **padding)
-        return padding_column_too(pad, WORD_IDS, IGNORE, tokenizer.padding_side)
+        return PaddingColumnToo(pad, WORD_IDS, IGNORE, tokenizer.padding_side)
 
     # --- one batch ---
     def units(self, batch: dict) -> torch.Tensor:
         return (batch["labels"] != IGNORE).sum()
 
     def step(self, model, batch: dict) -> Step:
-        """The cross-entropy of every labelled sub-token, summed; per example its tags, predictions, summed loss
-        and labelled sub-tokens."""
+        """The cross-entropy of every labelled sub-token, summed; per example its tags, predictions, sub-tokens'
+        word numbers (predictions.csv's tag per word), summed loss and labelled sub-tokens."""
         labels, word_ids = batch.pop("labels", None), batch.pop(WORD_IDS)
         logits = model(**batch)["logits"].float()
         outputs = {"prediction": logits.argmax(-1), WORD_IDS: word_ids}
