@@ -45,7 +45,7 @@ UPSTREAM_FLAGS = {
     "--torch_dtype": "--mixed_precision bf16 (fp32 weights, computed in bf16)",
     "--dtype": "--mixed_precision bf16 (fp32 weights, computed in bf16)",
     "--padding_free": "--packing",
-    "--run_name": "--output_dir (trackers name the run after its folder)",
+    "--run_name": "--output_dir (trackers other than TensorBoard name the run after its folder)",
 }
 # Closer than this to one of our flags is a typo of it; further, another script's flag that a hint would mislead.
 TYPO_CUTOFF = 0.8
@@ -70,7 +70,10 @@ class ArgumentParser(argparse.ArgumentParser):
             hints = []
             for flag in flags:
                 close = difflib.get_close_matches(flag, known, 1, TYPO_CUTOFF)
-                if hint := UPSTREAM_FLAGS.get(flag) or (close and close[0]):
+                upstream = UPSTREAM_FLAGS.get(flag, "")
+                if upstream.startswith("--") and upstream.split()[0] not in known:
+                    upstream = ""  # the flag it names is not this script's (evaluate.py has no --learning_rate)
+                if hint := upstream or (close and close[0]):
                     hints.append(f"{flag} -> {hint}")
             message += f"; did you mean {', '.join(hints)}?" if hints else ""
         # argparse's default prints the whole usage block first; with 40 flags that buries the message.

@@ -149,7 +149,7 @@ def _override_keys(overrides: str) -> list[str]:
 
 def _check_head_counts(config, overrides: str):
     """Sizes that --config_overrides changed one at a time must still divide, or the first forward pass fails deep in
-    the attention code (Llama's default of 32 key/value heads stays when only num_attention_heads is lowered). Only
+    the attention code (a --config_name file's 32 key/value heads stay when only num_attention_heads is lowered). Only
     the pairs the overrides touch are checked; a config with its own head size (head_dim, T5's d_kv) needs no
     hidden_size that the heads divide."""
     standard = {own: name for name, own in config.attribute_map.items()}  # GPT-2's n_head is num_attention_heads

@@ -195,3 +195,15 @@ def test_yaml_takes_trls_lists_of_modules_and_quoted_true_and_false(tmp_path):
     config.write_text('use_peft: "true"\nlora_target_modules: [q_proj, v_proj]\ngroup_by_length: "False"\n')
     args = parse_train_args(["--config", str(config)])
     assert (args.use_peft, args.lora_target_modules, args.group_by_length) == (True, "q_proj,v_proj", False)
+
+
+def test_evaluate_py_hints_only_at_its_own_flags(capsys):
+    """Trainer's --lr is --learning_rate in train.py; evaluate.py trains nothing, so it names no flag it lacks."""
+    from conftest import load_script
+
+    parse_eval_args = load_script("evaluate").parse_eval_args
+    for flag, hint in (("--lr", None), ("--bf16", "--bf16 -> --mixed_precision bf16")):
+        with pytest.raises(SystemExit):
+            parse_eval_args(["--model_name_or_path", "m", "--validation_file", "dev.csv", flag])
+        message = capsys.readouterr().err
+        assert (hint in message) if hint else ("did you mean" not in message), message

@@ -77,6 +77,12 @@ def test_labels_go_on_the_first_sub_token_of_each_word():
         expected.append(IGNORE if word is None or word == previous else names.index(data[0]["ner_tags"][word]))
         previous = word
     assert row["labels"] == expected
+    # The word numbers (for predictions.csv) stay out of training batches: nothing to collate and copy each step.
+    training = first.training_rows(first.features(data, tokenizer, 128), 128).remove_columns(
+        ["example_index", "length"]
+    )
+    batch = first.collator(tokenizer)(list(training))
+    assert "word_ids" in row and set(batch) == {"input_ids", "token_type_ids", "attention_mask", "labels"}
     inside = every.features(data, tokenizer, 128)[0]["labels"]  # later sub-tokens of B-PER become I-PER
     assert [names[i] for i in inside if i != IGNORE] == ["B-PER"] + ["I-PER"] * (word_ids.count(0) - 1) + ["O"] + [
         "B-LOC"] + ["I-LOC"] * (word_ids.count(2) - 1)  # fmt: skip

@@ -183,6 +183,11 @@ class TokenClassification(Task):
                            "--max_length to score them")  # fmt: skip
         return features
 
+    def training_rows(self, features: Dataset, max_length: int) -> Dataset:
+        # The word numbers serve predictions.csv only: training batches go without them (nothing to collate and copy
+        # to the device in every step).
+        return features.remove_columns(WORD_IDS)
+
     def collator(self, tokenizer, pad_to_multiple_of=None, pad_to_length=None):
         from transformers import DataCollatorForTokenClassification
 
@@ -197,9 +202,9 @@ class TokenClassification(Task):
     def step(self, model, batch: dict) -> Step:
         """The cross-entropy of every labelled sub-token, summed; per example its tags, predictions, sub-tokens'
         word numbers (predictions.csv's tag per word), summed loss and labelled sub-tokens."""
-        labels, word_ids = batch.pop("labels", None), batch.pop(WORD_IDS)
+        labels, word_ids = batch.pop("labels", None), batch.pop(WORD_IDS, None)
         logits = model(**batch)["logits"].float()
-        outputs = {"prediction": logits.argmax(-1), WORD_IDS: word_ids}
+        outputs = {"prediction": logits.argmax(-1)} | ({} if word_ids is None else {WORD_IDS: word_ids})
         if labels is None:
             return Step(logits.new_zeros(()), logits.new_zeros(()), outputs)
         losses = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
