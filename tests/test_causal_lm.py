@@ -66,6 +66,8 @@ def test_text_column_names_the_text_and_each_text_ends_with_one_eos(tokenizer):
     assert CausalLM.from_record(task.record(), options(), None, ["body"]) == task, "evaluate.py reads the same column"
     chat = CausalLM.from_record(task.record(), options(), None, ["messages"])  # data without it: found as train.py does
     assert (chat.format, chat.text_column) == (CHAT, "text")
+    with pytest.raises(UserError, match=r"text column 'id' holds Value\('int64'\), not text: name a column of str"):
+        CausalLM.from_data(options(text_column="id"), data).features(data, tokenizer, 64)
     with pytest.raises(UserError, match=r"--text_column 'title' is not in the data; its columns are: body"):
         CausalLM.from_record(task.record(), options(text_column="title"), None, ["body"])
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate.logging import get_logger
-from datasets import Dataset
+from datasets import Dataset, Value
 
 from src.args import Switch
 from src.errors import UserError
@@ -344,6 +344,11 @@ def _text_blocks(dataset: Dataset, column: str, tokenizer, block: int, num_proc:
         return {"input_ids": chunks, "attention_mask": [[1] * len(c) for c in chunks], "labels": chunks,
                 INDEX_COLUMN: list(range(len(chunks))), LENGTH_COLUMN: [len(c) for c in chunks]}  # fmt: skip
 
+    feature = dataset.features[column]
+    if not (isinstance(feature, Value) and feature.dtype in ("string", "large_string")):
+        raise UserError(
+            f"text column {column!r} holds {feature}, not text: name a column of strings with --text_column"
+        )
     texts = dataset.filter(lambda row: bool(row[column] and row[column].strip()), desc="Dropping empty lines")
     tokenized = texts.map(tokens, batched=True, remove_columns=texts.column_names, num_proc=num_proc,
                           desc="Tokenizing")  # fmt: skip
