@@ -397,7 +397,10 @@ def evaluate_and_keep_best(run: Run) -> bool:
         run.eval_metrics, _ = evaluate(run.model, run.eval_dataloader, run.accelerator, run.task)
     log(run, run.eval_metrics)
     logger.info(f"step {state.global_step}: " + ", ".join(f"{k} = {v:.4f}" for k, v in run.eval_metrics.items()))
-    value = run.eval_metrics[f"eval_{plan.metric_for_best_model}"]
+    value = run.eval_metrics.get(f"eval_{plan.metric_for_best_model}")
+    if value is None:
+        raise UserError(f"{type(run.task).__name__}.metric_names() lists {plan.metric_for_best_model!r} and its "
+                        f"metrics() did not return it (it returned {', '.join(run.eval_metrics)})")  # fmt: skip
     saved = False
     if state.improved(value, plan.greater_is_better):
         state.best_metric, state.best_metrics, state.evals_without_improvement = value, run.eval_metrics, 0
@@ -453,7 +456,8 @@ def finish_training(run: Run) -> dict:
     if run.args.load_best_model_at_end and state.best_checkpoint:
         run.accelerator.load_state(state.best_checkpoint)
         run.eval_metrics = state.best_metrics
-        best = f"{run.plan.metric_for_best_model} = {state.best_metric:.4f}"
+        direction = "higher" if run.plan.greater_is_better else "lower"  # a task's lower_is_better, or the flag
+        best = f"{run.plan.metric_for_best_model} = {state.best_metric:.4f}, {direction} is better"
         logger.info(f"Loaded the best model ({best}) from {state.best_checkpoint}")
     totals = run.window.totals
     return {

@@ -62,13 +62,15 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, **kwargs):
         # No prefix matching: `--task` must never be read as `--task_name`, nor a typo as some longer flag.
         super().__init__(allow_abbrev=False, formatter_class=_HelpFormatter, **kwargs)
+        self.other_tasks_flags = {}  # flag: the listed task it belongs to, where the chosen task lacks it
 
     def error(self, message):
         if message.startswith("unrecognized arguments: "):  # a flag of Trainer's or of another script, a typo
             known = [option for action in self._actions for option in action.option_strings]
             flags = [word.split("=")[0] for word in message.split()[2:] if word.startswith("--")]
-            hints = []
-            for flag in flags:
+            hints, owners = [], [f"{flag} is a flag of --task {self.other_tasks_flags[flag]}" for flag in flags
+                                 if flag in self.other_tasks_flags]  # fmt: skip
+            for flag in (flag for flag in flags if flag not in self.other_tasks_flags):
                 close = difflib.get_close_matches(flag, known, 1, TYPO_CUTOFF)
                 upstream = UPSTREAM_FLAGS.get(flag, "")
                 if upstream.startswith("--") and upstream.split()[0] not in known:
@@ -76,6 +78,7 @@ class ArgumentParser(argparse.ArgumentParser):
                 if hint := upstream or (close and close[0]):
                     hints.append(f"{flag} -> {hint}")
             message += f"; did you mean {', '.join(hints)}?" if hints else ""
+            message += f"; {', '.join(owners)}, not of this one" if owners else ""
         # argparse's default prints the whole usage block first; with 40 flags that buries the message.
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
@@ -636,6 +639,11 @@ def parse_train_args(argv: list[str] | None = None) -> Flags:
     except UserError as err:
         build_train_parser([]).error(str(err))
     parser = build_train_parser(classes)
+    if classes is not None:
+        shared = {option for action in parser._actions for option in action.option_strings}
+        parser.other_tasks_flags = {option: cls.name for cls in map(task_class, TASKS)
+                                    for action in build_train_parser([cls])._actions
+                                    for option in action.option_strings if option not in shared}  # fmt: skip
     return Flags(vars(validate_train_args(parser, parse_args(parser, argv))))
 
 

@@ -47,7 +47,13 @@ def write_model_card(output_dir: Path, settings: dict, results: dict, task):
         lines += _table("Results", ("metric", "value"), metrics.items(), intro)
     lines += _table("Training", ("setting", "value"), _hyperparameters(settings, results))
     lines += ["Every flag of the run is in `args.json`; the curves are in `training_curves.png`.", ""]
-    lines += ["## How to use", "", "```python", *card["usage"], "```", ""]
+    # A task that says nothing of its model's use: its model is used as this project uses it.
+    usage = (
+        ["```python", *card["usage"]]
+        if card["usage"]
+        else ["```bash", f"python evaluate.py --model_name_or_path {where} --validation_file your_data.csv"]
+    )
+    lines += ["## How to use", "", *usage, "```", ""]
     (output_dir / "README.md").write_text("\n".join(metadata + lines))
 
 

@@ -42,9 +42,12 @@ def best_metric(args, task) -> tuple[str, bool]:
     known = task.metric_names()
     if name not in known:
         extra = " or f1/<label>" if any("/" in k for k in known) else ""
+        listed = f"{', '.join(k for k in known if '/' not in k)}{extra}"
+        if not args.metric_for_best_model:  # the task's own default: a task author's slip, not the user's
+            raise UserError(f"{type(task).__name__}.main_metric {name!r} is not in its metric_names() ({listed})")
         raise UserError(
-            f"--metric_for_best_model {name!r} is not reported for {task.describe()}; use one of "
-            f"{', '.join(k for k in known if '/' not in k)}{extra}"
+            f"--metric_for_best_model {name!r} is not reported for {task.describe()}; use one of {listed} (a metric of "
+            "your own: return it from the task's metrics() and name it in metric_names())"
         )
     greater = args.greater_is_better if args.greater_is_better is not None else name not in task.lower_is_better
     return name, greater

@@ -21,11 +21,12 @@ def run_record(args, plan, task, hub_target=None) -> dict:
 
 
 def task_spec(task) -> str:
-    """The name `--task` takes for this task: its listed name, or its import path."""
-    from src.tasks import TASKS
+    """The name `--task` takes for this task: its listed name, or its import path (also for a subclass of a listed
+    task that keeps its name: the listed name would rebuild the base class, without the subclass's changes)."""
+    from src.tasks import TASKS, task_class
 
     cls = type(task)
-    return cls.name if cls.name in TASKS else f"{cls.__module__}:{cls.__qualname__}"
+    return cls.name if cls.name in TASKS and task_class(cls.name) is cls else f"{cls.__module__}:{cls.__qualname__}"
 
 
 def read_record(folder) -> dict:

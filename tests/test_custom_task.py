@@ -6,12 +6,14 @@ import shutil
 
 import pytest
 import torch
-from conftest import LOSS_ATOL, launch, load_script, sentiment_files, train_args
+from conftest import LOSS_ATOL, launch, load_script, run_in_process, sentiment_files, train_args
 from safetensors.torch import load_file
 
 from src.args import parse_train_args
 from src.errors import UserError
+from src.record import task_spec
 from src.tasks import TASKS, task_class
+from src.tasks.sequence_classification import SequenceClassification
 
 TASK = "examples.custom_task:BagOfWordsClassification"
 
@@ -82,6 +84,33 @@ def test_a_task_is_a_listed_name_or_an_import_path():
     assert set(TASKS) == {"sequence-classification", "token-classification", "causal-lm"}
 
 
+class SmoothedClassification(SequenceClassification):
+    """A listed task changed by subclassing, its name kept: the way a user changes the loss without editing src/."""
+
+
+class TopTwoClassification(SequenceClassification):
+    """Names a metric that its metrics() does not return: a task author's slip."""
+
+    def metric_names(self):
+        return [*super().metric_names(), "top2"]
+
+
+def test_a_metric_named_but_not_returned_is_one_line_naming_the_task(tiny_model, tiny_data, tmp_path):
+    argv = train_args(tiny_model, *tiny_data, tmp_path / "out", "--task", f"{__name__}:TopTwoClassification",
+                      "--metric_for_best_model", "top2", "--max_train_steps", "1")  # fmt: skip
+    with pytest.raises(UserError, match=r"TopTwoClassification.metric_names\(\) lists 'top2' and its metrics\(\) "):
+        run_in_process("train", argv)
+
+
+def test_a_subclass_of_a_listed_task_is_recorded_by_its_import_path():
+    """The listed name would make evaluate.py and a resume rebuild the base class, without the subclass's loss."""
+    subclass = SmoothedClassification.__new__(SmoothedClassification)
+    assert task_spec(subclass) == f"{__name__}:SmoothedClassification"
+    assert task_class(task_spec(subclass)) is SmoothedClassification
+    base = SequenceClassification.__new__(SequenceClassification)
+    assert task_spec(base) == "sequence-classification"
+
+
 def test_a_tasks_own_flags_exist_only_when_it_is_chosen(tiny_model, tiny_data, tmp_path):
     base = train_args(tiny_model, *tiny_data, tmp_path / "out")
     assert parse_train_args([*base, "--task", TASK, "--embedding_dim", "8"]).embedding_dim == 8
@@ -91,6 +120,13 @@ def test_a_tasks_own_flags_exist_only_when_it_is_chosen(tiny_model, tiny_data, t
         parse_train_args([*base, "--task", TASK, "--embedding_dim", "0"])  # a one-line error, not a traceback later
     with pytest.raises(SystemExit):
         parse_train_args([*base, "--tas", TASK])  # no prefix matching: --tas is neither --task nor --task_name
+
+
+def test_a_listed_tasks_flag_under_ones_own_task_says_whose_it_is(tiny_model, tiny_data, tmp_path, capsys):
+    base = train_args(tiny_model, *tiny_data, tmp_path / "out")
+    with pytest.raises(SystemExit):
+        parse_train_args([*base, "--task", TASK, "--packing"])
+    assert "--packing is a flag of --task causal-lm" in capsys.readouterr().err
 
 
 def test_output_folders_of_earlier_versions_still_evaluate(trained_tiny_model, tiny_data, tmp_path):

@@ -211,6 +211,14 @@ def test_the_card_of_the_packaged_model_names_it_by_its_hub_id(tmp_path):
     assert "Fine-tuned from `sentence-transformers/all-MiniLM-L6-v2`" in card and "site-packages" not in card
 
 
+def test_a_task_that_gives_no_usage_gets_the_evaluate_py_command(tmp_path):
+    from src.tasks.base import Task
+
+    write_model_card(tmp_path, {}, {}, Task())
+    card = (tmp_path / "README.md").read_text()
+    assert f"```bash\npython evaluate.py --model_name_or_path {tmp_path} --validation_file" in card
+
+
 def test_every_train_output_has_a_model_card(tmp_path, tiny_model, tiny_data):
     out = tmp_path / "out"
     train.main(train.parse_train_args(train_args(tiny_model, *tiny_data, out, "--num_train_epochs", "1")))

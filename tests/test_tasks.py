@@ -151,6 +151,19 @@ def test_multi_label_metrics_agree_with_scikit_learn():
         check_best_metric("accuracy", task)
 
 
+def test_a_metric_missing_from_metric_names_says_where_it_belongs():
+    """A metric added to the metric module alone is refused naming metric_names(); a task whose main_metric is not
+    among them is the task author's slip, not a --metric_for_best_model the user never gave."""
+    with pytest.raises(UserError, match=r"return it from the task's metrics\(\) and name it in metric_names\(\)"):
+        check_best_metric("balanced_accuracy", SequenceClassification(SINGLE_LABEL, ("neg", "pos")))
+
+    class ErrorRate(SequenceClassification):
+        main_metric = "error_rate"
+
+    with pytest.raises(UserError, match=r"ErrorRate.main_metric 'error_rate' is not in its metric_names\(\)"):
+        check_best_metric(None, ErrorRate(SINGLE_LABEL, ("neg", "pos")))
+
+
 @pytest.fixture(scope="module")
 def multi_label_run(tmp_path_factory, tiny_model):
     folder = tmp_path_factory.mktemp("multi-label")
