@@ -92,7 +92,7 @@ def load_data_and_model(args, accelerator):
         raw = load_raw_splits(args)
         train = raw["train"]
         if args.task == "auto":
-            cls, why = detect_task(train)
+            cls, why = detect_task(train, args.label_column)
             logger.info(f"--task auto: {cls.name}, for {why}")
             refuse_other_tasks_flags(args, cls)
         else:

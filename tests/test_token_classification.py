@@ -105,6 +105,32 @@ def test_predictions_csv_has_a_tag_per_word_with_or_without_gold_tags_and_label_
     assert list(rows) == ["words", "label", "prediction"] and rows["label"] == rows["prediction"] == per_word
 
 
+def test_a_word_without_a_sub_token_gets_null_in_place_and_tags_keep_their_letters():
+    """An empty or invisible word (a zero-width space) has no sub-token: its place holds null, so the later words'
+    tags stay beside their words."""
+    task = TokenClassification(("NÖUN", "O"), ("tokens", "tags"))
+    data = Dataset.from_list([{"tokens": ["Bäume", "\u200b", "wachsen"]}])
+    columns = {"word_ids": torch.tensor([[IGNORE, 0, 2, IGNORE]]), "prediction": torch.tensor([[1, 0, 1, 1]])}
+    assert task.prediction_rows(columns, data)["prediction"] == ['["NÖUN", null, "O"]']
+
+
+def test_tags_by_number_a_label_column_and_null_words_or_tags():
+    """Tag numbers without names (a Hub dataset saved as JSON) are tags named by their numbers; a `text` column beside
+    the one --label_column names is classified, not learnt as text; a null word or tag is one line."""
+    numbered = Dataset.from_list([{"tokens": ["New", "York", "is"], "ner_tags": [5, 6, 0]}])
+    assert detect_task(numbered)[0] is TokenClassification
+    assert TokenClassification.from_data(flags(), numbered).label_names == ("0", "5", "6")
+    categorised = Dataset.from_list([{"text": "a film", "category": "film"}])
+    assert detect_task(categorised)[0].name == "causal-lm"
+    assert detect_task(categorised, "category")[0].name == "sequence-classification"
+    with pytest.raises(UserError, match="row 0 of the training data has an empty \\(null\\) tag in 'ner_tags'"):
+        TokenClassification.from_data(flags(), Dataset.from_list([{"tokens": ["a", "b"], "ner_tags": ["O", None]}]))
+    task = TokenClassification(("O",), ("tokens", "ner_tags"))
+    with pytest.raises(UserError, match="row 0 has an empty \\(null\\) word list or word in 'tokens'"):
+        task.features(Dataset.from_list([{"tokens": ["a", None], "ner_tags": ["O", "O"]}]),
+                      load_tokenizer(default_model_path()), 16)  # fmt: skip
+
+
 def test_entity_level_metrics_of_tags_that_are_not_iob_are_refused():
     data = Dataset.from_list([{"tokens": ["I", "ran"], "upos": ["PRON", "VERB"]}])
     with pytest.raises(UserError, match=r"--return_entity_level_metrics scores entities of IOB tags .* 'upos' holds"):
@@ -121,7 +147,7 @@ def test_words_cut_off_by_max_length_are_counted(caplog):
     PartialState(cpu=True)  # accelerate's logger, which says it on the main process only
     with caplog.at_level("WARNING"):
         task.features(data, tokenizer, 8)  # [CLS] + 6 words + [SEP]
-    assert "14 word(s) in 1 of 2 examples do not fit in --max_length 8" in caplog.text
+    assert "14 word(s) in 1 of 2 examples have no sub-token within --max_length 8" in caplog.text
 
 
 def test_a_task_that_does_not_fit_the_data_is_one_line(tmp_path, tiny_model):
@@ -182,10 +208,13 @@ def test_ner_reports_entity_level_metrics_and_evaluate_py_reproduces_them(ner_ru
     rows = list(csv.DictReader((tmp_path / "predictions.csv").open()))
     sentences = [json.loads(line) for line in ner_run["dev"].read_text().splitlines()]
     assert list(rows[0]) == ["index", "words", "label", "prediction"] and len(rows) == 29
-    for row, sentence in zip(rows, sentences):  # in data order; tags of the words within --max_length 24
+    for row, sentence in zip(rows, sentences):  # in data order; a tag per word (null past --max_length)
         assert json.loads(row["words"]) == sentence["tokens"]
         tags, predicted = json.loads(row["label"]), json.loads(row["prediction"])
-        assert tags == sentence["ner_tags"][: len(tags)] and len(predicted) == len(tags) > 0
+        within = len(tags) - tags.count(None)
+        assert len(tags) == len(predicted) == len(sentence["tokens"]) and within > 0
+        assert tags[:within] == sentence["ner_tags"][:within]
+        assert tags[within:] == predicted[within:] == [None] * (len(tags) - within)  # the words cut off
     # New text, words alone: the same tag per word as above, and no label column.
     words_only = tmp_path / "words.jsonl"
     words_only.write_text("".join(json.dumps({"tokens": sentence["tokens"]}) + "\n" for sentence in sentences))

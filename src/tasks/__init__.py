@@ -31,6 +31,7 @@ def task_class(spec: str):
     return found
 
 
-def detect_task(train):
-    """--task auto: (the first listed task that recognises the training rows, why); sequence classification last."""
-    return next((cls, why) for cls in map(task_class, TASKS) if (why := cls.recognises(train)))
+def detect_task(train, label_column: str | None = None):
+    """--task auto: (the first listed task that recognises the training rows, why); sequence classification last.
+    `label_column`: --label_column, which makes a column labels (a `text` column beside it is not text to learn)."""
+    return next((cls, why) for cls in map(task_class, TASKS) if (why := cls.recognises(train, label_column)))

@@ -43,8 +43,9 @@ class Task:
         """The task's own flags, on train.py's parser."""
 
     @staticmethod
-    def recognises(train) -> str | None:
-        """For --task auto: why the training rows are this task's data (logged), or None if they are not."""
+    def recognises(train, label_column: str | None = None) -> str | None:
+        """For --task auto: why the training rows are this task's data (logged), or None if they are not;
+        `label_column`: the one --label_column names, if given."""
         return None
 
     @classmethod

@@ -83,8 +83,8 @@ class CausalLM(Task):
         )
 
     @staticmethod
-    def recognises(train: Dataset) -> str | None:
-        fmt = _format_of(train.column_names)
+    def recognises(train: Dataset, label_column: str | None = None) -> str | None:
+        fmt = _format_of(train.column_names, label_column)
         return fmt and {CHAT: "a column of chat messages", PROMPT_COMPLETION: "prompt and completion columns",
                         TEXT: "a text column without labels"}[fmt]  # fmt: skip
 
@@ -284,12 +284,12 @@ class CausalLM(Task):
         return {"kind": self.describe(), "pipeline_tag": "text-generation", "labels": [], "usage": usage}
 
 
-def _format_of(columns: list[str]) -> str | None:
+def _format_of(columns: list[str], label_column: str | None = None) -> str | None:
     if "messages" in columns or "conversations" in columns:
         return CHAT
     if "prompt" in columns and "completion" in columns:
         return PROMPT_COMPLETION
-    if "text" in columns and not {"label", "labels"} & set(columns):
+    if "text" in columns and not {"label", "labels", label_column} & set(columns):
         return TEXT
     return None
 

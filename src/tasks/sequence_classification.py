@@ -49,7 +49,7 @@ class SequenceClassification(Task):
         )
 
     @staticmethod
-    def recognises(train: Dataset) -> str | None:
+    def recognises(train: Dataset, label_column: str | None = None) -> str | None:
         return "no other task's columns: a text and a label per row"  # what no other task claims
 
     @classmethod

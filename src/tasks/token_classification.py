@@ -17,7 +17,7 @@ from src.tasks.base import Step, Task
 logger = get_logger(__name__)
 IGNORE = -100  # the label of special tokens, padding and (without --label_all_tokens) later sub-tokens of a word
 WORD_COLUMNS = ("tokens", "words")
-CUT_COLUMN = "words_cut_off"  # per example, the words that --max_length leaves without a sub-token
+UNTAGGED_COLUMN = "words_untagged"  # per example, the words without a sub-token (cut by --max_length, or empty)
 # Per sub-token, the number of its word (-100 for special tokens and padding): predictions.csv's tag of a word is
 # its first sub-token's, with or without gold tags, and with --label_all_tokens too.
 WORD_IDS = "word_ids"
@@ -49,8 +49,8 @@ class TokenClassification(Task):
             group.add_argument(flag, action=Switch, help=explanation)
 
     @staticmethod
-    def recognises(train: Dataset) -> str | None:
-        found = _word_and_tag_columns(train, None, None)
+    def recognises(train: Dataset, label_column: str | None = None) -> str | None:
+        found = _word_and_tag_columns(train, None, label_column)
         return found and f"a column of word lists ({found[0]!r}) with tag lists of the same lengths ({found[1]!r})"
 
     @classmethod
@@ -64,7 +64,12 @@ class TokenClassification(Task):
             )
         words, tags = found
         feature = train.features[tags].feature
-        names = feature.names if isinstance(feature, ClassLabel) else sorted({t for row in train[tags] for t in row})
+        if any(None in row for row in train[tags]):
+            row = next(i for i, tags_of_row in enumerate(train[tags]) if None in tags_of_row)
+            raise UserError(f"row {row} of the training data has an empty (null) tag in {tags!r}: give every word one")
+        # Integer tags without ClassLabel names (a Hub dataset saved as JSON) are named by their numbers.
+        tag_values = sorted({t for row in train[tags] for t in row})
+        names = feature.names if isinstance(feature, ClassLabel) else [str(t) for t in tag_values]
         task = cls(tuple(names), found, args.label_all_tokens, args.return_entity_level_metrics)
         if task.return_entity_level_metrics and not task.iob:
             raise UserError(
@@ -136,27 +141,31 @@ class TokenClassification(Task):
                   for name in self.label_names]  # fmt: skip
 
         def encode(rows, indices):
+            for row, words in enumerate(rows[words_column]):
+                if words is None or None in words:
+                    raise UserError(f"row {indices[row]} has an empty (null) word list or word in {words_column!r}: "
+                                    "give every word its text")  # fmt: skip
             encoded = tokenizer(rows[words_column], is_split_into_words=True, truncation=True, max_length=max_length)
             encoded[INDEX_COLUMN] = indices
             encoded[LENGTH_COLUMN] = [len(ids) for ids in encoded["input_ids"]]
-            encoded[CUT_COLUMN], encoded[WORD_IDS], all_labels = [], [], []
+            encoded[UNTAGGED_COLUMN], encoded[WORD_IDS], all_labels = [], [], []
             for row, words in enumerate(rows[words_column]):
                 word_ids = encoded.word_ids(row)
                 encoded[WORD_IDS].append([IGNORE if word is None else word for word in word_ids])
-                encoded[CUT_COLUMN].append(len(words) - max((w for w in word_ids if w is not None), default=-1) - 1)
+                encoded[UNTAGGED_COLUMN].append(len(words) - len(set(word_ids) - {None}))
                 if tags_column is None:
                     continue
                 tags = rows[tags_column][row]
                 if len(tags) != len(words):
                     raise UserError(f"row {indices[row]} has {len(words)} words in {words_column!r} and {len(tags)} "
                                     f"tags in {tags_column!r}: give every word one tag")  # fmt: skip
-                unknown = {t for t in tags if (names[t] if names else t) not in tag_id}
+                unknown = {t for t in tags if (names[t] if names else str(t)) not in tag_id}
                 if unknown:
                     known = ", ".join(self.label_names[:30]) + (", ..." if len(self.label_names) > 30 else "")
                     raise UserError(f"tag(s) {', '.join(sorted(map(str, unknown))[:10])} in column {tags_column!r} "
                                     f"are not among the model's {len(self.label_names)} tags, those of its training "
                                     f"data ({known})")  # fmt: skip
-                ids = [tag_id[names[t] if names else t] for t in tags]
+                ids = [tag_id[names[t] if names else str(t)] for t in tags]
                 labels, previous = [], None
                 for word in word_ids:
                     if word is None:
@@ -174,13 +183,13 @@ class TokenClassification(Task):
         features = dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
                                num_proc=num_proc, desc="Tokenizing")  # fmt: skip
         # Counted from a column, not while mapping: a cached map (every rank but the first) runs no code.
-        cut = features.with_format("numpy")[CUT_COLUMN][:]
-        features = features.remove_columns(CUT_COLUMN)
-        if cut.sum():
-            where = f"{cut.sum()} word(s) in {(cut > 0).sum()} of {len(dataset)} examples"
-            logger.warning(f"{where} do not fit in --max_length "
-                           f"{max_length} sub-tokens: they get no tag and are left out of the metrics; raise "
-                           "--max_length to score them")  # fmt: skip
+        untagged = features.with_format("numpy")[UNTAGGED_COLUMN][:]
+        features = features.remove_columns(UNTAGGED_COLUMN)
+        if untagged.sum():
+            where = f"{untagged.sum()} word(s) in {(untagged > 0).sum()} of {len(dataset)} examples"
+            logger.warning(f"{where} have no sub-token within --max_length {max_length} (cut off, or empty or "
+                           "invisible text): they get no tag (null in predictions.csv) and are left out of the "
+                           "metrics; raise --max_length to score the ones cut off")  # fmt: skip
         return features
 
     def training_rows(self, features: Dataset, max_length: int) -> Dataset:
@@ -250,13 +259,17 @@ class TokenClassification(Task):
 
     def prediction_rows(self, columns: dict, data) -> dict[str, list]:
         """Per sentence, as JSON lists: its words, their gold tags (if the data has them) and the predicted tags, one
-        per word within --max_length (its first sub-token's)."""
+        per word: its first sub-token's, or null for a word without one (cut off by --max_length, or empty)."""
         rows = {"words": [json.dumps(words, ensure_ascii=False) for words in data[self.columns[0]]]}
         for key in ("label", "prediction") if "label" in columns else ("prediction",):
             rows[key] = []
-            for word_ids, tags in zip(columns[WORD_IDS].tolist(), columns[key].tolist()):
-                firsts = [i for i, word in enumerate(word_ids) if word != IGNORE and word_ids[i - 1 : i] != [word]]
-                rows[key].append(json.dumps([self.label_names[tags[i]] for i in firsts]))
+            for words, word_ids, tags in zip(data[self.columns[0]], columns[WORD_IDS].tolist(), columns[key].tolist()):
+                first = {}  # word number: the position of its first sub-token
+                for position, word in enumerate(word_ids):
+                    if word != IGNORE:
+                        first.setdefault(word, position)
+                tagged = [self.label_names[tags[first[w]]] if w in first else None for w in range(len(words))]
+                rows[key].append(json.dumps(tagged, ensure_ascii=False))
         return rows
 
     # --- the model card ---
@@ -274,8 +287,10 @@ def _is_word_lists(feature) -> bool:
 
 
 def _is_tag_lists(feature) -> bool:
+    """Lists of named tags (ClassLabel), of tag names, or of tag numbers (a Hub dataset saved as JSON)."""
     return isinstance(feature, (List, LargeList, Sequence)) and (
-        isinstance(feature.feature, ClassLabel) or _is_word_lists(feature))  # fmt: skip
+        isinstance(feature.feature, ClassLabel) or _is_word_lists(feature)
+        or isinstance(feature.feature, Value) and feature.feature.dtype.startswith(("int", "uint")))  # fmt: skip
 
 
 def _word_and_tag_columns(train: Dataset, words: str | None, tags: str | None) -> tuple[str, str] | None:
