@@ -94,6 +94,17 @@ def test_lists_of_labels_mean_multi_label(tmp_path):
         detect_task(Dataset.from_dict({"text": ["a", "b"], "label": ["pos", "pos"]}), "label")
 
 
+def test_labels_with_commas_in_a_csv_are_classes_and_say_how_to_give_lists(tmp_path, caplog):
+    from accelerate import PartialState
+
+    rows = [{"text": "a", "labels": "neg,long"}, {"text": "b", "labels": "pos"}]
+    PartialState(cpu=True)  # accelerate's logger, which says it on the main process only
+    with caplog.at_level("WARNING"):
+        task = detect_task(load_file(write_rows(tmp_path / "c.csv", rows)), "labels")
+    assert task.problem_type == SINGLE_LABEL and task.label_names == ("neg,long", "pos")
+    assert "hold commas ('neg,long'): each is one class; for multi-label, give lists of labels" in caplog.text
+
+
 def test_multi_label_encoding_loss_and_predictions(tmp_path, tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     data = load_file(write_rows(tmp_path / "d.jsonl", ticket_rows(6, seed=0)))

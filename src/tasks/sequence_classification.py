@@ -10,12 +10,15 @@ from functools import cache
 
 import torch
 import torch.nn.functional as F
+from accelerate.logging import get_logger
 from datasets import ClassLabel, Dataset, LargeList, List, Value
 
 from src.data import detect_columns
 from src.errors import UserError
 from src.loaders import INDEX_COLUMN, LENGTH_COLUMN
 from src.tasks.base import Step, Task
+
+logger = get_logger(__name__)
 
 SINGLE_LABEL = "single_label_classification"
 MULTI_LABEL = "multi_label_classification"
@@ -210,7 +213,8 @@ class SequenceClassification(Task):
             if unknown:
                 raise UserError(
                     f"label(s) {', '.join(unknown[:10])} in column {label_column!r} are not among the model's "
-                    f"labels ({', '.join(label2id)})"
+                    f"labels ({', '.join(label2id)}), those of its training data: drop those rows, or train on data "
+                    "that has them"
                 )
             if multi_label:  # multi-hot floats, the targets of BCE-with-logits
                 encoded["labels"] = [[float(name in chosen) for name in label2id] for chosen in map(set, names)]
@@ -384,6 +388,11 @@ def _single_value_task(cls, dataset: Dataset, label_column: str, feature) -> Seq
     if feature.dtype.startswith(("int", "uint")):
         return cls(SINGLE_LABEL, tuple(str(v) for v in sorted(values)))
     if feature.dtype in ("string", "large_string"):
+        if commas := [value for value in values if "," in value]:  # "neg,long": a CSV cell cannot hold a list
+            logger.warning(
+                f"labels in {label_column!r} hold commas ({commas[0]!r}): each is one class; for multi-label, give "
+                "lists of labels in a .jsonl or .parquet file"
+            )
         return cls(SINGLE_LABEL, tuple(sorted(values)))
     raise UserError(f"label column {label_column!r} has type {feature.dtype}; use integers, strings or floats")
 

@@ -164,7 +164,7 @@ class TokenClassification(Task):
                     known = ", ".join(self.label_names[:30]) + (", ..." if len(self.label_names) > 30 else "")
                     raise UserError(f"tag(s) {', '.join(sorted(map(str, unknown))[:10])} in column {tags_column!r} "
                                     f"are not among the model's {len(self.label_names)} tags, those of its training "
-                                    f"data ({known})")  # fmt: skip
+                                    f"data ({known}): drop those rows, or train on data that has them")  # fmt: skip
                 ids = [tag_id[names[t] if names else str(t)] for t in tags]
                 labels, previous = [], None
                 for word in word_ids:
