@@ -397,10 +397,11 @@ def evaluate_and_keep_best(run: Run) -> bool:
         run.eval_metrics, _ = evaluate(run.model, run.eval_dataloader, run.accelerator, run.task)
     log(run, run.eval_metrics)
     logger.info(f"step {state.global_step}: " + ", ".join(f"{k} = {v:.4f}" for k, v in run.eval_metrics.items()))
-    value = run.eval_metrics.get(f"eval_{plan.metric_for_best_model}")
-    if value is None:
+    if f"eval_{plan.metric_for_best_model}" not in run.eval_metrics:  # a task author's slip, caught at its first use
+        returned = [key.removeprefix("eval_") for key in run.eval_metrics if key not in ("eval_samples", "eval_loss")]
         raise UserError(f"{type(run.task).__name__}.metric_names() lists {plan.metric_for_best_model!r} and its "
-                        f"metrics() did not return it (it returned {', '.join(run.eval_metrics)})")  # fmt: skip
+                        f"metrics() did not return it (it returned {', '.join(returned)})")  # fmt: skip
+    value = run.eval_metrics[f"eval_{plan.metric_for_best_model}"]
     saved = False
     if state.improved(value, plan.greater_is_better):
         state.best_metric, state.best_metrics, state.evals_without_improvement = value, run.eval_metrics, 0

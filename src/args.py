@@ -78,7 +78,7 @@ class ArgumentParser(argparse.ArgumentParser):
                 if hint := upstream or (close and close[0]):
                     hints.append(f"{flag} -> {hint}")
             message += f"; did you mean {', '.join(hints)}?" if hints else ""
-            message += f"; {', '.join(owners)}, not of this one" if owners else ""
+            message += f"; {', '.join(owners)}, not of this one: drop it, or choose that task" if owners else ""
         # argparse's default prints the whole usage block first; with 40 flags that buries the message.
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
@@ -639,25 +639,28 @@ def parse_train_args(argv: list[str] | None = None) -> Flags:
     except UserError as err:
         build_train_parser([]).error(str(err))
     parser = build_train_parser(classes)
-    if classes is not None:
-        shared = {option for action in parser._actions for option in action.option_strings}
-        parser.other_tasks_flags = {option: cls.name for cls in map(task_class, TASKS)
-                                    for action in build_train_parser([cls])._actions
-                                    for option in action.option_strings if option not in shared}  # fmt: skip
+    if classes is not None:  # a task of one's own: the listed tasks' flags are not registered, and named in errors
+        parser.other_tasks_flags = {option: cls.name for cls, action in _other_tasks_actions(classes[0])
+                                    for option in action.option_strings}  # fmt: skip
     return Flags(vars(validate_train_args(parser, parse_args(parser, argv))))
 
 
 def refuse_other_tasks_flags(args, chosen) -> None:
     """--task auto registers every listed task's flags; once the data has chosen the task, a flag of another task
     that was set would be silently ignored (--packing on a classifier, --class_weights on a tagger): refused."""
+    for cls, action in _other_tasks_actions(chosen):
+        if getattr(args, action.dest, action.default) != action.default:
+            raise UserError(
+                f"{action.option_strings[0]} is a flag of the {cls.name} task, and --task auto found "
+                f"{chosen.name} for this data, which does not read it: drop it, or name the task with --task"
+            )
+
+
+def _other_tasks_actions(chosen):
+    """(listed task, flag) for each flag of a listed task that the `chosen` task class does not have."""
     shared = {action.dest for action in build_train_parser([chosen])._actions}
-    for cls in map(task_class, TASKS):
-        for action in build_train_parser([cls])._actions:
-            if action.dest not in shared and getattr(args, action.dest, action.default) != action.default:
-                raise UserError(
-                    f"{action.option_strings[0]} is a flag of the {cls.name} task, and --task auto found "
-                    f"{chosen.name} for this data, which does not read it: drop it, or name the task with --task"
-                )
+    return [(cls, action) for cls in map(task_class, TASKS) for action in build_train_parser([cls])._actions
+            if action.dest not in shared]  # fmt: skip
 
 
 def _task_spec(words: list[str]) -> str:

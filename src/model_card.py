@@ -1,6 +1,7 @@
 """The model card (README.md) every run writes into its output folder: what was trained on what, the results, the
 settings and how to load the model; the task says what the model does and how to use it."""
 
+import shlex
 from pathlib import Path
 
 from src.glue import GLUE_DATASET
@@ -47,14 +48,16 @@ def write_model_card(output_dir: Path, settings: dict, results: dict, task):
         lines += _table("Results", ("metric", "value"), metrics.items(), intro)
     lines += _table("Training", ("setting", "value"), _hyperparameters(settings, results))
     lines += ["Every flag of the run is in `args.json`; the curves are in `training_curves.png`.", ""]
-    # A task that says nothing of its model's use: its model is used as this project uses it.
-    usage = (
-        ["```python", *card["usage"]]
-        if card["usage"]
-        else ["```bash", f"python evaluate.py --model_name_or_path {where} --validation_file your_data.csv"]
-    )
+    usage = ["```python", *card["usage"]] if card["usage"] else _evaluate_usage(settings, where, output_dir)
     lines += ["## How to use", "", *usage, "```", ""]
     (output_dir / "README.md").write_text("\n".join(metadata + lines))
+
+
+def _evaluate_usage(settings: dict, where: str, output_dir: Path) -> list[str]:
+    """For a task that says nothing of its model's use: evaluate.py, which reads a local folder (pushed: fetch it)."""
+    folder = shlex.quote(output_dir.name if settings.get("push_to_hub") else str(output_dir))
+    fetch = [f"hf download {where} --local-dir {folder}"] if settings.get("push_to_hub") else []
+    return ["```bash", *fetch, f"python evaluate.py --model_name_or_path {folder} --validation_file your_data.csv"]
 
 
 def _table(title: str, header: tuple[str, str], rows, intro: str | None = None) -> list[str]:

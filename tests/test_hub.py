@@ -217,6 +217,14 @@ def test_a_task_that_gives_no_usage_gets_the_evaluate_py_command(tmp_path):
     write_model_card(tmp_path, {}, {}, Task())
     card = (tmp_path / "README.md").read_text()
     assert f"```bash\npython evaluate.py --model_name_or_path {tmp_path} --validation_file" in card
+    write_model_card(
+        tmp_path, {"push_to_hub": True, "hub_model_id": "me/tagger"}, {}, Task()
+    )  # evaluate.py reads a folder
+    card = (tmp_path / "README.md").read_text()
+    assert (
+        f"hf download me/tagger --local-dir {tmp_path.name}\npython evaluate.py --model_name_or_path {tmp_path.name} "
+        in card
+    )
 
 
 def test_every_train_output_has_a_model_card(tmp_path, tiny_model, tiny_data):

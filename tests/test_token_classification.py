@@ -123,12 +123,17 @@ def test_tags_by_number_a_label_column_and_null_words_or_tags():
     categorised = Dataset.from_list([{"text": "a film", "category": "film"}])
     assert detect_task(categorised)[0].name == "causal-lm"
     assert detect_task(categorised, "category")[0].name == "sequence-classification"
-    with pytest.raises(UserError, match="row 0 of the training data has an empty \\(null\\) tag in 'ner_tags'"):
-        TokenClassification.from_data(flags(), Dataset.from_list([{"tokens": ["a", "b"], "ner_tags": ["O", None]}]))
+    tokenizer = load_tokenizer(default_model_path())
+    encoded = TokenClassification.from_data(flags(), numbered).features(numbered, tokenizer, 16)[0]
+    assert [label for label in encoded["labels"] if label != IGNORE] == [1, 2, 0]  # 5, 6, 0 by their names
+    null_tag = [{"tokens": ["a", "b"], "ner_tags": ["O", None]}]
+    with pytest.raises(UserError, match=r"row 0 has a null in 'ner_tags' \(its tags\): fill or drop that row"):
+        TokenClassification.from_data(flags(), Dataset.from_list(null_tag))
     task = TokenClassification(("O",), ("tokens", "ner_tags"))
-    with pytest.raises(UserError, match="row 0 has an empty \\(null\\) word list or word in 'tokens'"):
-        task.features(Dataset.from_list([{"tokens": ["a", None], "ner_tags": ["O", "O"]}]),
-                      load_tokenizer(default_model_path()), 16)  # fmt: skip
+    for rows, column in ((null_tag, "ner_tags"), ([{"tokens": None, "ner_tags": ["O"]}], "tokens"),
+                         ([{"tokens": ["a", None], "ner_tags": ["O", "O"]}], "tokens")):  # fmt: skip
+        with pytest.raises(UserError, match=f"row 0 has a null in '{column}'"):
+            task.features(Dataset.from_list(rows), tokenizer, 16)
 
 
 def test_entity_level_metrics_of_tags_that_are_not_iob_are_refused():
@@ -140,14 +145,17 @@ def test_entity_level_metrics_of_tags_that_are_not_iob_are_refused():
     assert set(scores) == {"accuracy", "f1"}, "a record from before the refusal gets the plain tags' metrics"
 
 
-def test_words_cut_off_by_max_length_are_counted(caplog):
+def test_words_cut_off_by_max_length_or_empty_are_counted_apart(caplog):
     tokenizer = load_tokenizer(default_model_path())
-    data = Dataset.from_list([{"tokens": ["a"] * 20, "ner_tags": ["O"] * 20}, {"tokens": ["b"], "ner_tags": ["O"]}])
-    task = TokenClassification(("O",), ("tokens", "ner_tags"))
+    data = Dataset.from_list([{"tokens": ["a"] * 20, "ner_tags": ["O"] * 20}, {"tokens": ["b"], "ner_tags": ["O"]},
+                              {"tokens": ["c", "", "d"], "ner_tags": ["O", "B-X", "B-X"]}])  # fmt: skip
+    task = TokenClassification(("B-X", "O"), ("tokens", "ner_tags"))
     PartialState(cpu=True)  # accelerate's logger, which says it on the main process only
     with caplog.at_level("WARNING"):
-        task.features(data, tokenizer, 8)  # [CLS] + 6 words + [SEP]
-    assert "14 word(s) in 1 of 2 examples have no sub-token within --max_length 8" in caplog.text
+        rows = task.features(data, tokenizer, 8)  # [CLS] + 6 words + [SEP]
+    assert "14 word(s) in 1 of 3 examples do not fit in --max_length 8 sub-tokens" in caplog.text
+    assert "1 word(s) in 1 of 3 examples give no sub-token (empty or invisible text)" in caplog.text
+    assert rows[2]["word_ids"] == [IGNORE, 0, 2, IGNORE] and rows[2]["labels"] == [IGNORE, 1, 0, IGNORE]
 
 
 def test_a_task_that_does_not_fit_the_data_is_one_line(tmp_path, tiny_model):

@@ -17,7 +17,8 @@ from src.tasks.base import Step, Task
 logger = get_logger(__name__)
 IGNORE = -100  # the label of special tokens, padding and (without --label_all_tokens) later sub-tokens of a word
 WORD_COLUMNS = ("tokens", "words")
-UNTAGGED_COLUMN = "words_untagged"  # per example, the words without a sub-token (cut by --max_length, or empty)
+CUT_COLUMN = "words_cut_off"  # per example, the words that --max_length leaves without a sub-token
+EMPTY_COLUMN = "words_empty"  # per example, the words that give no sub-token at all ("", a zero-width space)
 # Per sub-token, the number of its word (-100 for special tokens and padding): predictions.csv's tag of a word is
 # its first sub-token's, with or without gold tags, and with --label_all_tokens too.
 WORD_IDS = "word_ids"
@@ -64,12 +65,15 @@ class TokenClassification(Task):
             )
         words, tags = found
         feature = train.features[tags].feature
-        if any(None in row for row in train[tags]):
-            row = next(i for i, tags_of_row in enumerate(train[tags]) if None in tags_of_row)
-            raise UserError(f"row {row} of the training data has an empty (null) tag in {tags!r}: give every word one")
-        # Integer tags without ClassLabel names (a Hub dataset saved as JSON) are named by their numbers.
-        tag_values = sorted({t for row in train[tags] for t in row})
-        names = feature.names if isinstance(feature, ClassLabel) else [str(t) for t in tag_values]
+        if isinstance(feature, ClassLabel):
+            names = feature.names
+        else:
+            values = set()
+            for row, tags_of_row in enumerate(train[tags]):
+                _refuse_nulls(tags_of_row, row, tags, "tags")
+                values.update(tags_of_row)
+            # Tag numbers without ClassLabel names (a Hub dataset saved as JSON) are named by their numbers.
+            names = [str(value) for value in sorted(values)]
         task = cls(tuple(names), found, args.label_all_tokens, args.return_entity_level_metrics)
         if task.return_entity_level_metrics and not task.iob:
             raise UserError(
@@ -142,30 +146,32 @@ class TokenClassification(Task):
 
         def encode(rows, indices):
             for row, words in enumerate(rows[words_column]):
-                if words is None or None in words:
-                    raise UserError(f"row {indices[row]} has an empty (null) word list or word in {words_column!r}: "
-                                    "give every word its text")  # fmt: skip
+                _refuse_nulls(words, indices[row], words_column, "words")
             encoded = tokenizer(rows[words_column], is_split_into_words=True, truncation=True, max_length=max_length)
             encoded[INDEX_COLUMN] = indices
             encoded[LENGTH_COLUMN] = [len(ids) for ids in encoded["input_ids"]]
-            encoded[UNTAGGED_COLUMN], encoded[WORD_IDS], all_labels = [], [], []
+            encoded[CUT_COLUMN], encoded[EMPTY_COLUMN], encoded[WORD_IDS], all_labels = [], [], [], []
             for row, words in enumerate(rows[words_column]):
                 word_ids = encoded.word_ids(row)
                 encoded[WORD_IDS].append([IGNORE if word is None else word for word in word_ids])
-                encoded[UNTAGGED_COLUMN].append(len(words) - len(set(word_ids) - {None}))
+                seen = set(word_ids) - {None}
+                cut = len(words) - max(seen, default=-1) - 1
+                encoded[CUT_COLUMN].append(cut)
+                encoded[EMPTY_COLUMN].append(len(words) - len(seen) - cut)
                 if tags_column is None:
                     continue
                 tags = rows[tags_column][row]
+                _refuse_nulls(tags, indices[row], tags_column, "tags")
                 if len(tags) != len(words):
                     raise UserError(f"row {indices[row]} has {len(words)} words in {words_column!r} and {len(tags)} "
                                     f"tags in {tags_column!r}: give every word one tag")  # fmt: skip
-                unknown = {t for t in tags if (names[t] if names else str(t)) not in tag_id}
-                if unknown:
+                tag_names = [names[t] if names else str(t) for t in tags]
+                if unknown := set(tag_names) - tag_id.keys():
                     known = ", ".join(self.label_names[:30]) + (", ..." if len(self.label_names) > 30 else "")
-                    raise UserError(f"tag(s) {', '.join(sorted(map(str, unknown))[:10])} in column {tags_column!r} "
+                    raise UserError(f"tag(s) {', '.join(sorted(unknown)[:10])} in column {tags_column!r} "
                                     f"are not among the model's {len(self.label_names)} tags, those of its training "
                                     f"data ({known}): drop those rows, or train on data that has them")  # fmt: skip
-                ids = [tag_id[names[t] if names else str(t)] for t in tags]
+                ids = [tag_id[name] for name in tag_names]
                 labels, previous = [], None
                 for word in word_ids:
                     if word is None:
@@ -182,14 +188,22 @@ class TokenClassification(Task):
 
         features = dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
                                num_proc=num_proc, desc="Tokenizing")  # fmt: skip
-        # Counted from a column, not while mapping: a cached map (every rank but the first) runs no code.
-        untagged = features.with_format("numpy")[UNTAGGED_COLUMN][:]
-        features = features.remove_columns(UNTAGGED_COLUMN)
-        if untagged.sum():
-            where = f"{untagged.sum()} word(s) in {(untagged > 0).sum()} of {len(dataset)} examples"
-            logger.warning(f"{where} have no sub-token within --max_length {max_length} (cut off, or empty or "
-                           "invisible text): they get no tag (null in predictions.csv) and are left out of the "
-                           "metrics; raise --max_length to score the ones cut off")  # fmt: skip
+        # Counted from columns, not while mapping: a cached map (every rank but the first) runs no code.
+        counts = features.select_columns([CUT_COLUMN, EMPTY_COLUMN]).with_format("numpy")[:]
+        features = features.remove_columns([CUT_COLUMN, EMPTY_COLUMN])
+        unscored = {  # column: (what befell its words, how to score them)
+            CUT_COLUMN: (f"do not fit in --max_length {max_length} sub-tokens", "raise --max_length to score them"),
+            EMPTY_COLUMN: (
+                "give no sub-token (empty or invisible text)",
+                "give them text, or drop them with their tags",
+            ),
+        }
+        for column, (what, fix) in unscored.items():
+            if words := counts[column].sum():
+                where = f"{words} word(s) in {(counts[column] > 0).sum()} of {len(dataset)} examples"
+                logger.warning(
+                    f"{where} {what}: they get no tag (null in predictions.csv) and are left out of the metrics; {fix}"
+                )
         return features
 
     def training_rows(self, features: Dataset, max_length: int) -> Dataset:
@@ -281,6 +295,12 @@ class TokenClassification(Task):
                 "usage": usage}  # fmt: skip
 
 
+def _refuse_nulls(values: list | None, row: int, column: str, what: str):
+    """A null row or item of words or tags is one line (the tokenizer and sorting would raise a TypeError)."""
+    if values is None or None in values:
+        raise UserError(f"row {row} has a null in {column!r} (its {what}): fill or drop that row")
+
+
 def _is_word_lists(feature) -> bool:
     return isinstance(feature, (List, LargeList, Sequence)) and isinstance(feature.feature, Value) and (
         feature.feature.dtype in ("string", "large_string"))  # fmt: skip
@@ -308,6 +328,7 @@ def _word_and_tag_columns(train: Dataset, words: str | None, tags: str | None) -
     if tags is None or tags not in features or not _is_tag_lists(features[tags]):
         return None
     sample = train.select(range(min(len(train), 1000)))
-    if any(len(w) != len(t) for w, t in zip(sample[words], sample[tags])):
+    # Rows of null are left to features(), which names them.
+    if any(w is not None and t is not None and len(w) != len(t) for w, t in zip(sample[words], sample[tags])):
         return None
     return words, tags
