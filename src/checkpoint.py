@@ -127,6 +127,12 @@ SAME_ON_RESUME = (
     "completion_only_loss",  # which tokens are learnt
     "assistant_only_loss",
     "packing",
+    "chat_template_path",  # the template decides the tokens and which of them are learnt
+    "use_peft",  # the adapter's shape and scale: a resume with others continues another model or cannot load
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
 )
 
 

@@ -2,9 +2,13 @@
 number of processes."""
 
 import torch
+from accelerate.logging import get_logger
 from datasets import Dataset
 
+from src.errors import UserError
 from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, build_eval_dataloader
+
+logger = get_logger(__name__)
 
 
 def generate(model, prompts: list[list[int]], tokenizer, accelerator, batch_size: int, max_new_tokens: int,
@@ -16,6 +20,8 @@ def generate(model, prompts: list[list[int]], tokenizer, accelerator, batch_size
     generation step until all ranks are done (`synced_gpus`): under FSDP or ZeRO-3 each step gathers the sharded
     weights from all ranks, so a rank that stopped early would leave the others waiting forever.
     """
+    model = accelerator.unwrap_model(model)
+    prompts = _fit(prompts, getattr(model.config, "max_position_embeddings", None), max_new_tokens)
     lengths = [len(prompt) for prompt in prompts]
     dataset = Dataset.from_dict({"input_ids": prompts, "attention_mask": [[1] * n for n in lengths],
                                  INDEX_COLUMN: list(range(len(prompts))), LENGTH_COLUMN: lengths})  # fmt: skip
@@ -26,7 +32,6 @@ def generate(model, prompts: list[list[int]], tokenizer, accelerator, batch_size
         return tokenizer.pad(rows, padding_side="left", return_tensors="pt")
 
     dataloader = accelerator.prepare(build_eval_dataloader(dataset, collate, batch_size))
-    model = accelerator.unwrap_model(model)
     # The tokenizer's EOS (which train.py appends to every answer) and the model's own, e.g. a chat model's end of turn.
     stop = {tokenizer.eos_token_id, *_ids(model.generation_config.eos_token_id)}
     training = model.training
@@ -52,6 +57,21 @@ def generate(model, prompts: list[list[int]], tokenizer, accelerator, batch_size
     if seen != len(prompts) or len(texts) != len(prompts):  # indices are 0..n-1: n seen, n distinct
         raise RuntimeError("generation did not see every prompt exactly once; please report this as a bug")
     return [texts[i] for i in range(len(prompts))]
+
+
+def _fit(prompts: list[list[int]], positions: int | None, max_new_tokens: int) -> list[list[int]]:
+    """Prompts cut to what the model's positions hold beside the answer, keeping their ends (the question, the
+    generation prompt): past its positions a model of learnt positions (GPT-2's) fails with an index error."""
+    if positions is None:
+        return prompts
+    room = positions - max_new_tokens
+    if room < 1:
+        raise UserError(f"--generation_max_length {max_new_tokens} leaves no room for a prompt in the model's "
+                        f"{positions} positions: lower it")  # fmt: skip
+    if cut := sum(len(prompt) > room for prompt in prompts):
+        logger.warning(f"{cut} prompt(s) longer than the {room} tokens that the model's {positions} positions hold "
+                       f"beside --generation_max_length {max_new_tokens} keep their last {room} tokens")  # fmt: skip
+    return [prompt[-room:] for prompt in prompts]
 
 
 def _ids(value) -> list[int]:

@@ -139,6 +139,10 @@ def test_the_format_is_found_from_the_columns():
     assert detect_task(Dataset.from_list([{"text": "a", "label": 1}]))[0].name == "sequence-classification"
     with pytest.raises(UserError, match="the columns are sentence, label"):
         CausalLM.from_data(options(), Dataset.from_list([{"sentence": "a", "label": 1}]))
+    # TRL's conversational prompt-completion: prompt and completion as turns, to be written as one chat instead.
+    turns = {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "hello"}]}
+    with pytest.raises(UserError, match="hold messages .* write each row as one `messages` list"):
+        CausalLM.from_data(options(), Dataset.from_list([turns]))
 
 
 @pytest.fixture(scope="module")
@@ -170,10 +174,10 @@ def test_lora_sft_on_chat_rows_and_evaluate_py_reproduces_it(chat_lora_run, tmp_
     assert metrics["eval_samples"] == results["eval_samples"] == 9
     assert metrics["eval_mean_token_accuracy"] == results["eval_mean_token_accuracy"]
     assert metrics["eval_loss"] == pytest.approx(results["eval_loss"], rel=1e-6)
-    # The adapter on its base, prompted through the template saved with it: "<|user|>\nHello</s>\n<|assistant|>\n"
-    # (the markers and "Hello" are <unk> to the tiny vocabulary), then an answer.
+    # The adapter on its base, prompted through the template saved with it: "<s><|user|>\nHello</s>\n<|assistant|>\n"
+    # (the tokenizer's BOS first; the markers and "Hello" are <unk> to the tiny vocabulary), then an answer.
     words = run_model_card_snippet(out).split()
-    assert words[:8] == ["<unk>"] * 4 + ["</s>"] + ["<unk>"] * 3 and len(words) > 8, words
+    assert words[:9] == ["<s>"] + ["<unk>"] * 4 + ["</s>"] + ["<unk>"] * 3 and len(words) > 9, words
 
 
 def test_three_ranks_count_every_token_once_as_one_rank_does(chat_lora_run, tmp_path):

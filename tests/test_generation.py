@@ -131,7 +131,9 @@ def test_a_conversations_prompt_is_everything_before_its_last_answer(tiny_decode
     prompts = task.prompts(Dataset.from_list([{"messages": turns}, {"messages": turns[:3]}]), tokenizer)
     prompts += task.prompts(Dataset.from_list([{"conversations": sharegpt}]), tokenizer)
     eos = tokenizer.eos_token  # the template's turns as the tiny tokenizer's words (its markers are <unk> to it)
-    before_last_answer = f"<|user|>\nthe plot{eos}\n<|assistant|>\nwas good{eos}\n<|user|>\nand the acting{eos}\n"
+    before_last_answer = (
+        f"{tokenizer.bos_token}<|user|>\nthe plot{eos}\n<|assistant|>\nwas good{eos}\n<|user|>\nand the acting{eos}\n"
+    )
     expected = tokenizer(before_last_answer + "<|assistant|>\n", add_special_tokens=False)["input_ids"]
     assert prompts == [expected] * 3
 
@@ -167,3 +169,16 @@ def test_rows_without_prompts_are_one_line_errors(trained_lm, tiny_model, tmp_pa
             "--predict_with_generate"]  # fmt: skip
     with pytest.raises(UserError, match="a model for classification into 2 classes has none to answer"):
         run_in_process("evaluate", argv)
+
+
+def test_a_prompt_longer_than_the_models_positions_keeps_its_end():
+    """Prompt and answer must fit the model's positions (GPT-2's learnt ones fail past them with an index error)."""
+    from accelerate import PartialState
+
+    from src.generation import _fit
+
+    PartialState(cpu=True)  # accelerate's logger, which warns on the main process only
+    assert _fit([[1, 2, 3, 4, 5], [6]], 6, 3) == [[3, 4, 5], [6]]
+    assert _fit([[1] * 9], None, 3) == [[1] * 9]  # no limit the config knows
+    with pytest.raises(UserError, match="--generation_max_length 6 leaves no room for a prompt"):
+        _fit([[1]], 6, 6)

@@ -237,9 +237,14 @@ def test_lora_output_checkpoints_resume_and_evaluation(tiny_decoders, data, tmp_
     metrics = run_evaluate(out, data[1], tmp_path / "eval")
     assert metrics == {**final, "eval_loss": pytest.approx(final["eval_loss"], rel=1e-6)}
 
-    # A fresh folder with only the first checkpoint, resumed: bit for bit the uninterrupted run.
+    # A fresh folder with only the first checkpoint, resumed: bit for bit the uninterrupted run; with another LoRA
+    # scale or rank it would continue another model (or fail to load the adapter's shapes): refused first.
     resumed = tmp_path / "resumed"
     shutil.copytree(out / "checkpoint-5", resumed / "checkpoint-5")
+    for flag, value in (("--lora_alpha", "64"), ("--lora_r", "8")):
+        other = train_args(base, *data, resumed, *lora, flag, value, "--resume_from_checkpoint", "latest")
+        with pytest.raises(UserError, match=f"made with other settings \\({flag} \\d+ -> {value}\\)"):
+            run_train(*other)
     run_train(*train_args(base, *data, resumed, *lora, "--resume_from_checkpoint", str(resumed / "checkpoint-5")))
     again = load_file(resumed / "adapter_model.safetensors")
     assert all(torch.equal(adapter[k], again[k]) for k in adapter)

@@ -103,6 +103,12 @@ class CausalLM(Task):
                             "(chat rows learn every token unless --assistant_only_loss)")  # fmt: skip
         if args.chat_template_path and fmt != CHAT:
             raise UserError(f"--chat_template_path is for chat rows (`messages`), and this data is {fmt}: drop it")
+        if fmt == PROMPT_COMPLETION and not isinstance(train.features["prompt"], Value):
+            raise UserError(
+                "the prompt and completion columns hold messages (TRL's conversational prompt-completion); write each "
+                "row as one `messages` list, the prompt's turns then the completion's, and add --assistant_only_loss "
+                "to learn the completion only"
+            )
         if args.packing and fmt == TEXT:
             raise UserError(
                 "--packing is for prompt/completion and chat rows; text is cut into blocks of --max_length tokens "
@@ -196,7 +202,8 @@ class CausalLM(Task):
         if len(kept) < len(features):
             dropped = f"{len(features) - len(kept)} of {len(features)} examples"
             logger.warning(f"{dropped} have nothing to learn within --max_length {max_length} tokens (no answer, or "
-                           "a prompt that fills them): dropped; raise --max_length for the latter")  # fmt: skip
+                           "a prompt that fills them): not trained on or scored (evaluate.py --predict_with_generate "
+                           "still answers them); raise --max_length for the latter")  # fmt: skip
         return kept  # each example keeps its data row's number: predictions.csv's index
 
     def training_rows(self, features: Dataset, max_length: int) -> Dataset:
