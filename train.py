@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from src.args import parse_train_args, refuse_other_tasks_flags
 from src.batch_size import fit_batch_sizes
 from src.checkpoint import (
+    RESULTS_FILE,
     check_output_dir,
     is_checkpoint_writer,
     load_checkpoint,
@@ -268,6 +269,8 @@ def start_or_resume(args, accelerator, resume_path, record: dict, batches_per_ep
         remove_checkpoints(args.output_dir, only_incomplete=not args.overwrite_output_dir)
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
+        if args.overwrite_output_dir:  # the old run's mark of a finished run: this one, stopped, must not read as done
+            (args.output_dir / RESULTS_FILE).unlink(missing_ok=True)
         write_json(args.output_dir / "args.json", record)
         # A resumed run drops what the interrupted one logged after its checkpoint; a new run starts afresh.
         keep_records_up_to(args.output_dir / "metrics.jsonl", state.global_step)
@@ -282,8 +285,11 @@ def train_loop(run: Run) -> int | None:
                         disable=not run.accelerator.is_local_main_process)  # fmt: skip
     run.window, run.vote = ThroughputWindow(run.accelerator.device), StopVote(run.accelerator)
     run.epoch_loss = torch.zeros((), device=run.accelerator.device)
-    # A run resumed from its last step has nothing left to train.
+    run.early_stop = early_stop_reason(run)  # resumed after its patience ran out: nothing left to train
+    # A run resumed from its last step has nothing left to train either.
     for epoch in range(state.epoch, plan.num_epochs if state.global_step < plan.max_train_steps else 0):
+        if run.early_stop:
+            break
         for batches, batch_in_epoch in optimizer_steps(run, epoch):
             train_step(run, batches)
             state.advance(epoch, batch_in_epoch)
@@ -300,15 +306,16 @@ def train_loop(run: Run) -> int | None:
             periodic = (every == "epoch" and end_of_epoch) or (
                 isinstance(every, int) and state.global_step % every == 0
             )
-            if not saved and (periodic or signum or out_of_time):
+            finished = run.early_stop or done  # then a stop asked for now changes nothing: the run ends as it would
+            if not saved and (periodic or (signum or out_of_time) and not finished):
                 checkpoint(run)
+            if finished:
+                break
             if signum or out_of_time:
                 why = run.stop_signals.describe(signum) if signum else f"--max_time {args.max_time} minutes reached"
                 logger.info(f"Stopped at step {state.global_step} ({why}). To continue, run the same command with "
                             "--resume_from_checkpoint latest")  # fmt: skip
                 return 128 + signum if signum else 0
-            if run.early_stop or done:
-                break
         if run.early_stop or state.global_step >= plan.max_train_steps:
             break
     return None
@@ -411,9 +418,16 @@ def evaluate_and_keep_best(run: Run) -> bool:
     else:
         state.evals_without_improvement += 1
     # Every rank computed these metrics from the same gathered predictions, so all stop together.
-    if args.early_stopping_patience and state.evals_without_improvement >= args.early_stopping_patience:
-        run.early_stop = f"no better {plan.metric_for_best_model} in {args.early_stopping_patience} evaluations"
+    run.early_stop = early_stop_reason(run)
     return saved
+
+
+def early_stop_reason(run: Run) -> str | None:
+    """Why the run stops early (--early_stopping_patience evaluations without improvement), from the run state."""
+    patience = run.args.early_stopping_patience
+    if patience and run.state.evals_without_improvement >= patience:
+        return f"no better {run.plan.metric_for_best_model} in {patience} evaluations"
+    return None
 
 
 def check_finite(run: Run):

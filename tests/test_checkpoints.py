@@ -61,6 +61,10 @@ def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkey
     assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}, "nothing touched"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--overwrite_output_dir"))
     assert not list(out.glob("checkpoint-*")), "the old run's checkpoints went with it"
+    # Overwritten by a run that stops before its end: the old run's results (its mark of being done) go too.
+    with pytest.raises(SystemExit):
+        run_main(*train_args(tiny_model, *data, out, "--overwrite_output_dir", "--max_time", "1e-9"))
+    assert not (out / "all_results.json").exists()
 
 
 def test_broken_checkpoints_get_a_clear_error(tiny_model, data, tmp_path):
@@ -124,3 +128,24 @@ def test_resuming_a_finished_run_only_evaluates(tiny_model, data, tmp_path):
         *train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--resume_from_checkpoint", "latest")
     )
     assert again["global_step"] == first["global_step"] and again["eval_accuracy"] == first["eval_accuracy"]
+
+
+def test_patience_that_runs_out_on_a_timed_out_step_ends_the_run_as_without_the_stop(tiny_model, data, tmp_path):
+    """The validation loss of this data rises from step 1, so nothing beats step 1: patience 2 runs out at step 3,
+    which ends the run. --max_time 1e-9 stops every step; resumed step by step, the run must end at that same step
+    with the same model (the stop at step 3 must not leave a checkpoint to continue from past the early stop)."""
+    flags = ["--eval_steps", "1", "--early_stopping_patience", "2", "--metric_for_best_model", "loss",
+             "--load_best_model_at_end", "--max_train_steps", "8"]  # fmt: skip
+    whole = run_main(*train_args(tiny_model, *data, tmp_path / "whole", *flags))
+    assert whole["global_step"] == 3
+    timed = [*train_args(tiny_model, *data, tmp_path / "timed", *flags, "--max_time", "1e-9")]
+    for _ in range(2):  # steps 1 and 2, each stopped by the clock
+        with pytest.raises(SystemExit):
+            run_main(*timed, *(["--resume_from_checkpoint", "latest"] if (tmp_path / "timed").exists() else []))
+    resumed = run_main(*timed, "--resume_from_checkpoint", "latest")  # step 3: patience and the clock run out together
+    assert resumed["global_step"] == 3 and resumed["eval_loss"] == whole["eval_loss"]
+    final, expected = (
+        load_file(tmp_path / "timed" / "model.safetensors"),
+        load_file(tmp_path / "whole" / "model.safetensors"),
+    )
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
