@@ -31,7 +31,7 @@ from src.model import prepare_for_evaluation, resolve_max_length
 from src.precision import choose_precision
 from src.record import DEFAULT_TASK, read_record
 from src.reporting import setup_logging, write_json
-from src.runtime import refuse_fsdp_without_gpus, set_cpu_threads
+from src.runtime import one_precision_per_process, refuse_fsdp_without_gpus, set_cpu_threads
 from src.tasks import task_class
 
 logger = get_logger(__name__)
@@ -75,7 +75,8 @@ def main(args):
         set_cpu_threads(args.cpu_threads)
     # The training run's precision, unless told otherwise, so that its final metrics are reproduced.
     precision, why = choose_precision(args.mixed_precision, on_cpu, record.get("mixed_precision"))
-    accelerator = Accelerator(cpu=on_cpu, mixed_precision=precision)
+    with one_precision_per_process(precision):
+        accelerator = Accelerator(cpu=on_cpu, mixed_precision=precision)
     setup_logging()
     logger.info(f"Mixed precision = {precision} ({why})")
 

@@ -47,7 +47,7 @@ from src.plan import BatchSizes, Plan, learning_rate, make_plan
 from src.precision import choose_precision
 from src.record import run_record
 from src.reporting import append_jsonl, keep_records_up_to, read_jsonl, setup_logging, tracker_run_name, write_json
-from src.runtime import refuse_fsdp_without_gpus, set_cpu_threads
+from src.runtime import one_precision_per_process, refuse_fsdp_without_gpus, set_cpu_threads
 from src.signals import StopSignals, StopVote
 from src.state import TrainState
 from src.tasks import detect_task, task_class
@@ -69,16 +69,19 @@ def build_accelerator(args, resume_path) -> tuple[Accelerator, str, int]:
     precision, reason = choose_precision(args.mixed_precision, on_cpu, saved)
     if not on_cpu:
         torch.set_float32_matmul_precision("high")  # TF32: what stays fp32 runs on tensor cores too
-    accelerator = Accelerator(
-        cpu=on_cpu,
-        mixed_precision=precision,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        step_scheduler_with_optimizer=False,  # the scheduler counts optimizer updates; see train_step
-        # Batches are copied to the GPU without making the host wait for the step in flight.
-        dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu),
-        log_with=None if args.report_to == "none" else args.report_to,
-        project_config=ProjectConfiguration(project_dir=str(args.output_dir), save_on_each_node=args.save_on_each_node),
-    )
+    with one_precision_per_process(precision):
+        accelerator = Accelerator(
+            cpu=on_cpu,
+            mixed_precision=precision,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            step_scheduler_with_optimizer=False,  # the scheduler counts optimizer updates; see train_step
+            # Batches are copied to the GPU without making the host wait for the step in flight.
+            dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu),
+            log_with=None if args.report_to == "none" else args.report_to,
+            project_config=ProjectConfiguration(
+                project_dir=str(args.output_dir), save_on_each_node=args.save_on_each_node
+            ),  # fmt: skip
+        )
     return accelerator, reason, threads
 
 
@@ -481,7 +484,8 @@ def finish_training(run: Run) -> dict:
         "train_runtime": train_runtime,
         "train_samples_per_second": totals["samples"] / train_runtime,
         "train_tokens_per_second": totals["tokens"] / train_runtime,
-        "train_padding_fraction": 1 - totals["tokens"] / max(1, totals["padded_tokens"]),
+        # Nothing trained (resumed from the last step): no padding to speak of, not all of it.
+        "train_padding_fraction": 1 - totals["tokens"] / totals["padded_tokens"] if totals["padded_tokens"] else 0.0,
     }
 
 

@@ -475,7 +475,10 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     )
     _switch(checkpoints, "--overwrite_output_dir", help="Start afresh in an --output_dir that holds a run.")
     checkpoints.add_argument(
-        "--max_time", type=_positive_float, help="Stop after this many minutes, saving a checkpoint to resume from."
+        "--max_time",
+        type=_positive_float,
+        help="Stop after this many minutes of training (counted from the first step: leave a job's time limit room for "
+        "loading and the last save), saving a checkpoint to resume from.",
     )
     _switch(
         checkpoints,
@@ -579,7 +582,9 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
                if option.startswith("--") and not option.startswith("--no-")}  # fmt: skip
     words, given = [], {}
     for key, value in _read_config(parser, path).items():
-        if key not in actions or key in ("config", "help"):
+        if key == "config":
+            parser.error(f"--config {path}: a config file cannot name another (config: {value}); merge them into one")
+        if key not in actions or key == "help":
             close = difflib.get_close_matches(str(key), actions, 1, TYPO_CUTOFF)
             hint = UPSTREAM_FLAGS.get(f"--{key}") or (repr(close[0]) if close else None)
             hint = f"; did you mean {hint}?" if hint else ""
@@ -599,6 +604,12 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
                 words.append(f"--{key}" if value else f"--no-{key}")
             elif value:
                 words.append(f"--{key}")
+        elif isinstance(value, bool):  # YAML reads an unquoted no/off/yes/on as a boolean
+            if value is False and action.choices and "no" in action.choices:
+                words += [f"--{key}", "no"]  # mixed_precision: no
+            else:
+                parser.error(f"--config {path}: {key} is not an on/off flag and YAML read its value as {value}: quote "
+                             "it ('off')")  # fmt: skip
         elif isinstance(value, list) and action.nargs == "+" and value:  # lora_target_modules: [q_proj, v_proj]
             words += [f"--{key}", *map(str, value)]
         elif isinstance(value, (dict, list)):
@@ -609,8 +620,13 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
 
 
 def in_notebook() -> bool:
-    """Inside a Jupyter (or Colab) kernel, whose own command line (`-f kernel.json`) holds no flags of ours."""
-    return "ipykernel" in sys.modules or Path(sys.argv[0]).name in ("ipykernel_launcher.py", "colab_kernel_launcher.py")
+    """sys.argv is a Jupyter (or Colab) kernel's own command line (`-f kernel.json`), which holds no flags of ours.
+    Not so under `%run train.py --flags`, which sets sys.argv to the script's, in the same kernel."""
+    started_as = Path(sys.argv[0])
+    return (
+        started_as.name in ("ipykernel_launcher.py", "colab_kernel_launcher.py")
+        or started_as.parent.name == "ipykernel"
+    )
 
 
 def _command_line(argv: list[str] | None) -> list[str]:

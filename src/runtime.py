@@ -4,6 +4,7 @@
 """
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -81,3 +82,23 @@ def refuse_fsdp_without_gpus():
             "accelerate_configs/fsdp.yaml (FSDP) needs GPUs and this machine has none (accelerate would quietly run "
             "without sharding): launch with --config_file accelerate_configs/cpu.yaml instead"
         )
+
+
+@contextmanager
+def one_precision_per_process(precision: str):
+    """Around creating the Accelerator: Accelerate fixes the precision for the life of the process, so a second run
+    in one notebook kernel or script (train.py's or evaluate.py's main()) that chose another is one line, not a
+    ValueError about its internal state."""
+    try:
+        yield
+    except ValueError as err:
+        if "already been initialized" not in str(err):
+            raise
+        from accelerate.state import AcceleratorState
+
+        earlier = AcceleratorState().mixed_precision
+        raise UserError(
+            f"an earlier run in this process set up Accelerate with mixed precision {earlier!r}, and this one chose "
+            f"{precision!r}, which Accelerate cannot change within a process: pass --mixed_precision {earlier}, or "
+            "restart the kernel (or start a new process) for this run"
+        ) from err

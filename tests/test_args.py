@@ -117,6 +117,8 @@ def test_yaml_config_is_read_and_the_command_line_wins(tmp_path):
         ("group_by_length: maybe\n", "group_by_length must be true or false"),
         ("- a\n- b\n", "must hold 'flag: value' pairs"),
         ("learning_rate: [\n", "is not valid YAML"),
+        ("report_to: off\n", "report_to is not an on/off flag and YAML read its value as False: quote it"),
+        ("config: other.yaml\n", "a config file cannot name another (config: other.yaml)"),
     ],
 )
 def test_bad_config_files_are_named(tmp_path, capsys, text, culprit):
@@ -195,6 +197,8 @@ def test_yaml_takes_trls_lists_of_modules_and_quoted_true_and_false(tmp_path):
     config.write_text('use_peft: "true"\nlora_target_modules: [q_proj, v_proj]\ngroup_by_length: "False"\n')
     args = parse_train_args(["--config", str(config)])
     assert (args.use_peft, args.lora_target_modules, args.group_by_length) == (True, "q_proj,v_proj", False)
+    config.write_text("mixed_precision: no\n")  # YAML's False: what accelerate's own files quote as 'no'
+    assert parse_train_args(["--config", str(config)]).mixed_precision == "no"
 
 
 def test_evaluate_py_hints_only_at_its_own_flags(capsys):

@@ -101,6 +101,7 @@ def test_latest_is_the_newest_checkpoint_after_rotation(tiny_model, data, tmp_pa
     resumed = run_train([*args, "--resume_from_checkpoint", "latest"])
     assert loaded == [out / "checkpoint-10"]
     assert resumed["global_step"] == 10, "resumed at the last step: nothing left to train"
+    assert resumed["train_padding_fraction"] == 0.0, "no tokens trained: no padding either"
 
 
 def test_ranks_resuming_from_different_steps_are_refused(tiny_model, data, tmp_path, monkeypatch):

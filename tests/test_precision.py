@@ -148,3 +148,20 @@ def test_the_decision_is_saved_and_kept_on_resume_and_by_evaluate(
     again = json.loads((evaluated / "eval_results.json").read_text())
     for key in ("eval_accuracy", "eval_loss"):  # eval_results.json rounds to 6 decimals; fp32 moves the loss by ~1e-4
         assert again[key] == round(trained[key], 6), key
+
+
+def test_a_second_run_in_one_process_with_another_precision_is_one_line():
+    """A notebook kernel that trained in fp32 and now evaluates or trains in bf16: Accelerate cannot change it."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from src.runtime import one_precision_per_process
+
+    try:
+        Accelerator(cpu=True, mixed_precision="no")
+        refused = pytest.raises(UserError, match="earlier run in this process .* 'no', and this one chose 'bf16'")
+        with refused, one_precision_per_process("bf16"):
+            Accelerator(cpu=True, mixed_precision="bf16")
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()

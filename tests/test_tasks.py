@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import types
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -607,6 +608,10 @@ def test_a_notebook_kernels_command_line_is_not_parsed(monkeypatch):
     args = train.parse_train_args()
     assert args.output_dir == build_train_parser().get_default("output_dir") and args.train_file is None
     assert train.parse_train_args(["--num_train_epochs", "1"]).num_train_epochs == 1
+    # `%run train.py --seed 5` in a kernel: sys.argv is the script's, its flags are read.
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    monkeypatch.setattr(sys, "argv", ["train.py", "--seed", "5"])
+    assert train.parse_train_args().seed == 5
 
 
 def test_notebook_launcher_runs_two_cpu_processes(tmp_path, tiny_model):
