@@ -191,7 +191,7 @@ def load_model(
             trust_remote_code=trust_remote_code,
         )
         check_tied_as_configured(model, name_or_path)
-    return _without_kv_cache(model)
+    return _without_kv_cache(model, auto_class)
 
 
 def _from_config(auto_class, config, dtype, trust_remote_code):
@@ -268,7 +268,7 @@ def load_trained_model(
     if is_adapter_folder(model_dir):
         dtype = weights_dtype(True, mixed_precision)
         adapter = load_adapter_folder(auto_class, model_dir, dtype, pad_token_id, trust_remote_code, new_head)
-        return _without_kv_cache(adapter)
+        return _without_kv_cache(adapter, auto_class)
     fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     config = load_trained_config(model_dir, trust_remote_code, **fields)
     model = empty_on_this_rank(auto_class, config, torch.float32, trust_remote_code)
@@ -283,7 +283,7 @@ def load_trained_model(
                 f"{model_dir} has no fine-tuned head (missing {missing}): evaluate a train.py output folder"
             )
         check_tied_as_configured(model, model_dir)
-    return _without_kv_cache(model)
+    return _without_kv_cache(model, auto_class)
 
 
 def prepare_for_training(model, args, accelerator, task):
@@ -343,11 +343,12 @@ def choose_fsdp_layers(model, plugin):
     logger.info(f"FSDP shards each {', '.join(plugin.transformer_cls_names_to_wrap)} ({len(layers)} layers)")
 
 
-def _without_kv_cache(model):
+def _without_kv_cache(model, auto_class):
     """The model with its KV cache off, in its config too (so the saved folder evaluates the same way): a classifier
     built from a causal LM (Llama, Qwen2, GPT-2) would otherwise keep every layer's keys and values at each forward
-    pass, in training and evaluation, for a generation that a classifier never does."""
-    if getattr(model.config, "use_cache", False):
+    pass, in training and evaluation, for a generation that a classifier never does. A causal LM keeps it on in its
+    config, for whatever generates with the saved model; its task's step turns it off for training and scoring."""
+    if getattr(model.config, "use_cache", False) and auto_class.__name__ != "AutoModelForCausalLM":
         model.config.use_cache = False
     return model
 

@@ -395,3 +395,15 @@ def test_a_new_models_config_and_tokenizer_errors_name_their_flags(tiny_decoders
         load_config(types.SimpleNamespace(**(new | {"config_name": missing}), config_overrides=None), {}, tokenizer)
     with pytest.raises(UserError, match=f"--tokenizer_name {missing}: cannot load a tokenizer"):
         CausalLM(TEXT).load_tokenizer(missing, types.SimpleNamespace(**new))
+
+
+def test_the_step_runs_the_model_without_its_kv_cache(tiny_decoders, tokenizer):
+    """The saved config keeps the cache on (for generation); a training or scoring step keeps no keys and values."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_decoders["llama"])
+    seen = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs.get("use_cache")), with_kwargs=True)
+    batch = dict(tokenizer(["the plot was good"], return_tensors="pt"))
+    CausalLM(TEXT).step(model, batch | {"labels": batch["input_ids"].clone()})
+    assert model.config.use_cache and seen == [False]

@@ -182,3 +182,15 @@ def test_a_prompt_longer_than_the_models_positions_keeps_its_end():
     assert _fit([[1] * 9], None, 3) == [[1] * 9]  # no limit the config knows
     with pytest.raises(UserError, match="--generation_max_length 6 leaves no room for a prompt"):
         _fit([[1]], 6, 6)
+
+
+def test_a_saved_causal_lm_keeps_its_kv_cache_on_for_what_generates_with_it(trained_lm):
+    """Training and scoring turn the cache off in the task's step; a plain forward pass of the saved model returns
+    the keys and values that incremental decoding feeds back (a classifier's folder keeps it off: test_llm.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert json.loads((trained_lm["model"] / "config.json").read_text())["use_cache"] is True
+    model = AutoModelForCausalLM.from_pretrained(trained_lm["model"]).eval()
+    with torch.no_grad():
+        assert model(input_ids=torch.tensor([[1, 2, 3]])).past_key_values is not None

@@ -413,9 +413,11 @@ def _packed_rows(features: Dataset, max_length: int) -> Dataset:
 
 
 def _model_inputs(batch: dict) -> dict:
-    """The batch as the model takes it. Packed rows (with position ids) go without their attention mask and with the
-    KV cache off: transformers keeps packed examples apart, from where their position ids restart, only when neither
-    is there (masking_utils.find_packed_sequence_indices); otherwise every token attends to the examples before it."""
-    if "position_ids" not in batch:
-        return batch
-    return {key: value for key, value in batch.items() if key != "attention_mask"} | {"use_cache": False}
+    """The batch as the model takes it, with the KV cache off: training and scoring generate nothing (the saved
+    config keeps it on for what does). Packed rows (with position ids) also go without their attention mask:
+    transformers keeps packed examples apart, from where their position ids restart, only when neither mask nor
+    cache is there (masking_utils.find_packed_sequence_indices); otherwise every token attends to the ones before."""
+    inputs = batch | {"use_cache": False}
+    if "position_ids" in batch:
+        del inputs["attention_mask"]
+    return inputs
