@@ -309,8 +309,10 @@ def train_loop(run: Run) -> int | None:
             periodic = (every == "epoch" and end_of_epoch) or (
                 isinstance(every, int) and state.global_step % every == 0
             )
-            finished = run.early_stop or done  # then a stop asked for now changes nothing: the run ends as it would
-            if not saved and (periodic or (signum or out_of_time) and not finished):
+            # Out of time on the run's last step changes nothing: it ends as it would. A signal still stops it at once
+            # with a checkpoint (the job's grace time may not hold the final save); the resumed run then finishes.
+            finished = (run.early_stop or done) and not signum
+            if not saved and (periodic or signum or out_of_time and not finished):
                 checkpoint(run)
             if finished:
                 break

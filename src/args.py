@@ -629,10 +629,10 @@ def in_notebook() -> bool:
     """sys.argv is a Jupyter (or Colab) kernel's own command line (`-f kernel.json`), which holds no flags of ours.
     Not so under `%run train.py --flags`, which sets sys.argv to the script's, in the same kernel."""
     started_as = Path(sys.argv[0])
-    return (
-        started_as.name in ("ipykernel_launcher.py", "colab_kernel_launcher.py")
-        or started_as.parent.name == "ipykernel"
-    )
+    launchers = ("ipykernel_launcher.py", "colab_kernel_launcher.py")
+    # Other kernels (Databricks', Spyder's) start their own way, with the same `-f connection_file`.
+    return started_as.name in launchers or started_as.parent.name == "ipykernel" or (
+        "ipykernel" in sys.modules and "-f" in sys.argv[1:])  # fmt: skip
 
 
 def _command_line(argv: list[str] | None) -> list[str]:

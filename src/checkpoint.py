@@ -127,7 +127,7 @@ SAME_ON_RESUME = (
     "completion_only_loss",  # which tokens are learnt
     "assistant_only_loss",
     "packing",
-    "chat_template_path",  # the template decides the tokens and which of them are learnt
+    "chat_template_sha256",  # --chat_template_path's text decides the tokens and which of them are learnt
     "use_peft",  # the adapter's shape and scale: a resume with others continues another model or cannot load
     "lora_r",
     "lora_alpha",

@@ -2,14 +2,17 @@
 chat) and with which options, EOS kept though it pads, the formats found from the data, a new model from a config, an
 encoder made a decoder, and a LoRA run that evaluate.py reproduces."""
 
+import hashlib
 import json
 import types
+from pathlib import Path
 
 import pytest
 from accelerate import PartialState
 from conftest import REPO, WEIGHTS_ATOL, launch, run_in_process, run_model_card_snippet, train_args, write_rows
 from datasets import Dataset
 
+from src.checkpoint import SAME_ON_RESUME
 from src.errors import UserError
 from src.model import default_model_path, load_tokenizer
 from src.plan import best_metric, learning_rate
@@ -163,6 +166,9 @@ def test_lora_sft_on_chat_rows_and_evaluate_py_reproduces_it(chat_lora_run, tmp_
     record = json.loads((out / "args.json").read_text())
     assert record["task"] == "causal-lm" and record["format"] == CHAT and record["metric_for_best_model"] == "loss"
     assert record["assistant_only_loss"] is True
+    # Resume compares the template's text, not the path that named it (SAME_ON_RESUME).
+    assert record["chat_template_sha256"] == hashlib.sha256(Path(CHAT_TEMPLATE).read_bytes()).hexdigest()
+    assert "chat_template_sha256" in SAME_ON_RESUME and "chat_template_path" not in SAME_ON_RESUME
     assert record["learning_rate"] == 1e-3 and record["max_length"] == 64  # as given (train_args), in the record
     assert {"eval_loss", "eval_perplexity", "eval_mean_token_accuracy", "train_loss"} <= set(results)
     adapter = json.loads((out / "adapter_config.json").read_text())

@@ -162,6 +162,9 @@ def test_a_second_run_in_one_process_with_another_precision_is_one_line():
         refused = pytest.raises(UserError, match="earlier run in this process .* 'no', and this one chose 'bf16'")
         with refused, one_precision_per_process("bf16"):
             Accelerator(cpu=True, mixed_precision="bf16")
+        device = "AcceleratorState has already been initialized and cannot be changed, ... pass `cpu=True`"
+        with pytest.raises(ValueError, match="cpu=True"), one_precision_per_process("no"):
+            raise ValueError(device)  # another setting than the precision: Accelerate's own message stands
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()

@@ -612,6 +612,9 @@ def test_a_notebook_kernels_command_line_is_not_parsed(monkeypatch):
     monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
     monkeypatch.setattr(sys, "argv", ["train.py", "--seed", "5"])
     assert train.parse_train_args().seed == 5
+    # A kernel started otherwise (Databricks', Spyder's launcher), with a kernel's `-f connection_file`.
+    monkeypatch.setattr(sys, "argv", ["/databricks/python/db_ipykernel_launcher.py", "-f", "/tmp/k.json"])
+    assert train.parse_train_args().seed == build_train_parser().get_default("seed")
 
 
 def test_notebook_launcher_runs_two_cpu_processes(tmp_path, tiny_model):

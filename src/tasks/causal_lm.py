@@ -8,6 +8,7 @@ TRL's defaults: a completion only (--completion_only_loss), every token of a cha
 """
 
 import bisect
+import hashlib
 import math
 import re
 from collections import defaultdict
@@ -140,9 +141,12 @@ class CausalLM(Task):
                    record.get("packing", False), text_column=text_column or "text")  # fmt: skip
 
     def record(self) -> dict:
+        # The template's text, by its hash: a resume must render the same tokens whatever path names the file.
+        template = self.chat_template and hashlib.sha256(self.chat_template.encode()).hexdigest()
         return {"format": self.format, "completion_only_loss": self.completion_only_loss,
                 "assistant_only_loss": self.assistant_only_loss, "packing": self.packing,
-                "text_column": self.text_column if self.format == TEXT else None}  # fmt: skip
+                "text_column": self.text_column if self.format == TEXT else None,
+                "chat_template_sha256": template}  # fmt: skip
 
     def describe(self) -> str:
         answers_only = (self.format == PROMPT_COMPLETION and self.completion_only_loss) or self.assistant_only_loss
