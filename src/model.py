@@ -168,13 +168,14 @@ def _check_head_counts(config, overrides: str):
 
 def load_model(
     auto_class, name_or_path: str | None, config, *, lora=False, mixed_precision="no", trust_remote_code=False,
-    ignore_mismatched_sizes=True,
+    ignore_mismatched_sizes=True, kv_cache=False,
 ):  # fmt: skip
     """The model to fine-tune: `auto_class` (e.g. AutoModelForSequenceClassification) from `name_or_path` with
     `config` (see load_config); a new head if the checkpoint's is missing or, with `ignore_mismatched_sizes`, of
     another size. No `name_or_path`: a new model with random weights, from `config`. `lora`: the weights will be frozen
-    under LoRA adapters (see `weights_dtype`). On a rank that prepare() gives rank 0's weights
-    (`weights_come_from_rank_0`), the parameters are left empty, on the meta device, and nothing is read."""
+    under LoRA adapters (see `weights_dtype`). `kv_cache`: keep it on in the config (see _without_kv_cache). On a
+    rank that prepare() gives rank 0's weights (`weights_come_from_rank_0`), the parameters are left empty, on the
+    meta device, and nothing is read."""
     dtype = weights_dtype(lora, mixed_precision) if name_or_path else torch.float32
     model = empty_on_this_rank(auto_class, config, dtype, trust_remote_code)
     if model is None and name_or_path is None:
@@ -191,7 +192,7 @@ def load_model(
             trust_remote_code=trust_remote_code,
         )
         check_tied_as_configured(model, name_or_path)
-    return _without_kv_cache(model, auto_class)
+    return model if kv_cache else _without_kv_cache(model)
 
 
 def _from_config(auto_class, config, dtype, trust_remote_code):
@@ -257,7 +258,13 @@ def load_trained_config(model_dir, trust_remote_code: bool = False, **fields):
 
 
 def load_trained_model(
-    auto_class, model_dir: str, pad_token_id=None, mixed_precision="no", trust_remote_code=False, new_head=True
+    auto_class,
+    model_dir: str,
+    pad_token_id=None,
+    mixed_precision="no",
+    trust_remote_code=False,
+    new_head=True,
+    kv_cache=False,
 ):
     """A fine-tuned model for evaluation: a whole model, or a LoRA output folder (its adapter and head on the base
     model it names, in the dtypes training used). `new_head`: the task trained a head of its own (see add_lora).
@@ -268,7 +275,7 @@ def load_trained_model(
     if is_adapter_folder(model_dir):
         dtype = weights_dtype(True, mixed_precision)
         adapter = load_adapter_folder(auto_class, model_dir, dtype, pad_token_id, trust_remote_code, new_head)
-        return _without_kv_cache(adapter, auto_class)
+        return adapter if kv_cache else _without_kv_cache(adapter)
     fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     config = load_trained_config(model_dir, trust_remote_code, **fields)
     model = empty_on_this_rank(auto_class, config, torch.float32, trust_remote_code)
@@ -283,7 +290,7 @@ def load_trained_model(
                 f"{model_dir} has no fine-tuned head (missing {missing}): evaluate a train.py output folder"
             )
         check_tied_as_configured(model, model_dir)
-    return _without_kv_cache(model, auto_class)
+    return model if kv_cache else _without_kv_cache(model)
 
 
 def prepare_for_training(model, args, accelerator, task):
@@ -343,12 +350,13 @@ def choose_fsdp_layers(model, plugin):
     logger.info(f"FSDP shards each {', '.join(plugin.transformer_cls_names_to_wrap)} ({len(layers)} layers)")
 
 
-def _without_kv_cache(model, auto_class):
+def _without_kv_cache(model):
     """The model with its KV cache off, in its config too (so the saved folder evaluates the same way): a classifier
     built from a causal LM (Llama, Qwen2, GPT-2) would otherwise keep every layer's keys and values at each forward
-    pass, in training and evaluation, for a generation that a classifier never does. A causal LM keeps it on in its
-    config, for whatever generates with the saved model; its task's step turns it off for training and scoring."""
-    if getattr(model.config, "use_cache", False) and auto_class.__name__ != "AutoModelForCausalLM":
+    pass, in training and evaluation, for a generation that a classifier never does. A task whose model generates
+    keeps it on (`kv_cache`, its `predicts_next_token`), for whatever generates with the saved model; its step turns
+    it off for training and scoring."""
+    if getattr(model.config, "use_cache", False):
         model.config.use_cache = False
     return model
 

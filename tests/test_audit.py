@@ -376,3 +376,18 @@ def test_one_rank_over_max_time_stops_both_at_the_same_step(tiny_model_no_dropou
     assert json.loads((saved / "training_state.json").read_text())["global_step"] == 1
     assert (saved / "random_states_0.pkl").is_file() and (saved / "random_states_1.pkl").is_file(), "both ranks saved"
     assert not (out / "all_results.json").exists(), "stopped, not finished"
+
+
+def test_one_rank_over_max_time_on_the_last_step_lets_both_finish(tiny_model_no_dropout, data, tmp_path, monkeypatch):
+    """Out of time on the run's last step: nothing is left to resume, so both ranks finish the run (final
+    evaluation, saving: collectives of both) rather than checkpoint and stop. Rank 1 alone is out of time, as above."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("FAST_CLOCK", "1")
+    args = train_args(tiny_model_no_dropout, *data, out, "--per_device_train_batch_size", "4", "--max_time", "1",
+                      "--max_train_steps", "1")  # fmt: skip
+    result = launch("tests/fast_clock.py", args, timeout=120)  # a rank left alone in a collective hangs
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-3000:]
+    assert "rank 1: the clock runs" in log and "Stopped at step" not in log
+    assert json.loads((out / "all_results.json").read_text())["global_step"] == 1, "finished"
+    assert checkpoints(out) == [] and (out / "model.safetensors").is_file()

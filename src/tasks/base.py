@@ -30,7 +30,8 @@ class Task:
     default_learning_rate = 5e-5  # --learning_rate when not given
     lower_is_better = ("loss",)  # metrics for which the best model has the lowest value
     top_level_metrics = ()  # evaluation metrics that all_results.json also holds without their eval_ prefix
-    # The model predicts each next token: an encoder checkpoint is switched to causal attention (src/model.py).
+    # The model predicts each next token: an encoder checkpoint is switched to causal attention (src/model.py), and
+    # the KV cache stays on in its config, for generation (the task's step turns it off in training and scoring).
     predicts_next_token = False
     # LoRA: peft's task type, and whether the head is new (trained in full and saved with the adapter) rather than
     # a pretrained one adapted through the backbone (a causal LM's).
@@ -89,7 +90,7 @@ class Task:
         return load_model(
             getattr(transformers, self.auto_class), args.model_name_or_path, config, lora=args.use_peft,
             mixed_precision=mixed_precision, trust_remote_code=args.trust_remote_code,
-            ignore_mismatched_sizes=args.ignore_mismatched_sizes,
+            ignore_mismatched_sizes=args.ignore_mismatched_sizes, kv_cache=self.predicts_next_token,
         )  # fmt: skip
 
     def save_model(self, accelerator, model, output_dir, args):
@@ -107,7 +108,8 @@ class Task:
         from src.model import load_trained_model
 
         return load_trained_model(getattr(transformers, self.auto_class), model_dir, tokenizer.pad_token_id,
-                                  mixed_precision, args.trust_remote_code, self.new_head)  # fmt: skip
+                                  mixed_precision, args.trust_remote_code, self.new_head,
+                                  kv_cache=self.predicts_next_token)  # fmt: skip
 
     # --- the data ---
     def features(self, dataset, tokenizer, max_length: int, num_proc: int | None = None):
