@@ -8,6 +8,7 @@ from accelerate.utils import DistributedType
 from peft import LoraConfig, PeftConfig, PeftModel, TaskType, get_peft_model
 from safetensors.torch import load_model as load_safetensors
 from transformers import AutoConfig
+from transformers.utils import CONFIG_NAME
 from transformers.pytorch_utils import Conv1D
 
 from src.errors import UserError
@@ -99,7 +100,8 @@ def checkpoint_trainable_weights_only(accelerator):
 
 
 def load_adapter_folder(auto_class, folder, dtype, pad_token_id=None, trust_remote_code=False, new_head=True):
-    """A train.py LoRA output: the base model it names, with the folder's config (labels, pad token), adapter, head."""
+    """A train.py LoRA output: the base model it names, with the folder's config (labels, pad token; else the
+    base's), adapter and head."""
     try:
         adapter = PeftConfig.from_pretrained(folder)
     except (OSError, ValueError) as err:  # ValueError: a damaged file's JSON error
@@ -107,12 +109,16 @@ def load_adapter_folder(auto_class, folder, dtype, pad_token_id=None, trust_remo
     if new_head and not adapter.modules_to_save:
         raise UserError(f"{folder} holds a LoRA adapter without a trained head: evaluate a train.py output")
     fields = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code, **fields)
-    # Under FSDP with fsdp_cpu_ram_efficient_loading, ranks other than 0 build the base empty: prepare() gives them
-    # rank 0's weights, adapter included.
-    base = empty_on_this_rank(auto_class, config, dtype, trust_remote_code)
-    empty = base is not None
     try:
+        # Without a config of its own (a causal LM's adapter: see save_model), the base model's.
+        has_config = Path(folder, CONFIG_NAME).is_file()
+        config = AutoConfig.from_pretrained(
+            folder if has_config else adapter.base_model_name_or_path, trust_remote_code=trust_remote_code, **fields
+        )
+        # Under FSDP with fsdp_cpu_ram_efficient_loading, ranks other than 0 build the base empty: prepare() gives
+        # them rank 0's weights, adapter included.
+        base = empty_on_this_rank(auto_class, config, dtype, trust_remote_code)
+        empty = base is not None
         if not empty:
             base = auto_class.from_pretrained(
                 adapter.base_model_name_or_path,

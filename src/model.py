@@ -388,7 +388,11 @@ def save_model(
     # sharded the weights in training (FSDP, ZeRO-3), and leaves the GPUs alone.
     with tempfile.TemporaryDirectory(dir=output_dir) if merge_lora else nullcontext(output_dir) as adapter_dir:
         unwrapped.save_pretrained(adapter_dir, state_dict=state_dict)
-        base.config.save_pretrained(adapter_dir)
+        # A new head needs the folder's config (labels, head size, pad token), and so does an encoder switched to a
+        # decoder (is_decoder). Otherwise none: transformers reads a folder with a config.json as a whole model, and
+        # without one `AutoModelForCausalLM.from_pretrained(folder)` loads the base and this adapter, as for TRL's.
+        if new_head or getattr(base.config, "is_decoder", False):
+            base.config.save_pretrained(adapter_dir)
         if merge_lora:
             backbone_dtype = next(base.base_model.parameters()).dtype  # the frozen weights' (bf16, or fp32)
             merged = load_adapter_folder(auto_class, adapter_dir, backbone_dtype, None, trust_remote_code, new_head)

@@ -186,6 +186,22 @@ def test_lora_sft_on_chat_rows_and_evaluate_py_reproduces_it(chat_lora_run, tmp_
     assert words[:9] == ["<s>"] + ["<unk>"] * 4 + ["</s>"] + ["<unk>"] * 3 and len(words) > 9, words
 
 
+def test_a_lora_folder_loads_with_plain_auto_model_for_causal_lm_as_trls_do(chat_lora_run):
+    """TRL users load an SFT adapter with `AutoModelForCausalLM.from_pretrained(folder)`: transformers then builds the
+    base and puts the adapter on it, unless the folder holds a config.json, which it takes for a whole model."""
+    import torch
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    out = chat_lora_run["out"]
+    assert not (out / "config.json").exists()
+    plain, peft = AutoModelForCausalLM.from_pretrained(out), AutoPeftModelForCausalLM.from_pretrained(out)
+    assert plain.active_adapters() == ["default"]
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, peft(ids).logits)
+
+
 def test_three_ranks_count_every_token_once_as_one_rank_does(chat_lora_run, tmp_path):
     """9 conversations on 3 ranks in batches of 2: ranks with 4 and 2 rows, an uneven last batch, batches padded to
     other lengths than on 1 rank. Token counts (and so the token accuracy, a ratio of counts) are exact; the loss is
