@@ -14,6 +14,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -474,11 +475,13 @@ def finish_training(run: Run) -> dict:
         logger.info(f"Early stopping at step {run.state.global_step}: {run.early_stop}")
     state = run.state
     if run.args.load_best_model_at_end and state.best_checkpoint:
-        run.accelerator.load_state(state.best_checkpoint)
+        # Found by its name in --output_dir: the run may have been resumed from a folder that moved since.
+        best_checkpoint = run.args.output_dir / Path(state.best_checkpoint).name
+        run.accelerator.load_state(str(best_checkpoint))
         run.eval_metrics = state.best_metrics
         direction = "higher" if run.plan.greater_is_better else "lower"  # a task's lower_is_better, or the flag
         best = f"{run.plan.metric_for_best_model} = {state.best_metric:.4f}, {direction} is better"
-        logger.info(f"Loaded the best model ({best}) from {state.best_checkpoint}")
+        logger.info(f"Loaded the best model ({best}) from {best_checkpoint}")
     totals = run.window.totals
     return {
         # As run_*_no_trainer.py report it: the mean step loss of the last epoch, over every rank.

@@ -149,3 +149,16 @@ def test_patience_that_runs_out_on_a_timed_out_step_ends_the_run_as_without_the_
         load_file(tmp_path / "whole" / "model.safetensors"),
     )
     assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+def test_the_best_model_is_found_in_a_resumed_run_s_folder_that_moved(tiny_model, data, tmp_path):
+    """A job requeued with its output copied elsewhere (or started from another directory) resumes from the new
+    folder; the best checkpoint recorded in the old one is looked up there, by name."""
+    flags = ["--eval_steps", "1", "--metric_for_best_model", "loss", "--load_best_model_at_end", "--max_train_steps",
+             "3"]  # fmt: skip
+    with pytest.raises(SystemExit):  # stopped by the clock after step 1, its best so far
+        run_main(*train_args(tiny_model, *data, tmp_path / "old", *flags, "--max_time", "1e-9"))
+    (tmp_path / "old").rename(tmp_path / "new")
+    resumed = run_main(*train_args(tiny_model, *data, tmp_path / "new", *flags, "--resume_from_checkpoint", "latest"))
+    whole = run_main(*train_args(tiny_model, *data, tmp_path / "whole", *flags))
+    assert resumed["eval_loss"] == whole["eval_loss"]
