@@ -440,8 +440,9 @@ def check_finite(run: Run):
     if run.window.nonfinite_losses(run.accelerator):
         raise UserError(
             f"the loss became NaN or infinite by step {run.state.global_step} (epoch {run.state.epoch}); nothing was "
-            "saved since. Lower --learning_rate or keep --max_grad_norm, then --resume_from_checkpoint latest "
-            f"(newest checkpoint: {newest_checkpoint(run.args.output_dir) or 'none'})"
+            "saved since. Start again with a lower --learning_rate (a resume keeps the optimizer's), or resume with "
+            "--max_grad_norm 1.0 if clipping was off: --resume_from_checkpoint latest (newest checkpoint: "
+            f"{newest_checkpoint(run.args.output_dir) or 'none'})"
         )
 
 

@@ -109,13 +109,15 @@ def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
     return path
 
 
-# What decides the order and grouping of batches: a resumed run must keep them to continue exactly.
+# What a resumed run must keep to continue exactly: what decides the batches and the tokens learnt, the adapter, and
+# the optimizer's settings.
 SAME_ON_RESUME = (
     "per_device_train_batch_size",
     "gradient_accumulation_steps",
     "seed",
     "group_by_length",
-    "train_file",
+    "train_file_sha256",  # the data, by its contents (src/record.py)
+    "validation_file_sha256",
     "dataset_name",
     "dataset_config_name",
     "task_name",
@@ -133,6 +135,12 @@ SAME_ON_RESUME = (
     "lora_alpha",
     "lora_dropout",
     "lora_target_modules",
+    # The optimizer's and the schedule's: their states come from the checkpoint, so other values would be ignored.
+    "learning_rate",
+    "weight_decay",
+    "lr_scheduler_type",
+    "warmup_ratio",
+    "num_warmup_steps",
 )
 
 

@@ -5,6 +5,7 @@ max_length, ...) and what its task needs to be rebuilt (its name or import path,
 label weights, threshold). Folders of earlier versions hold the same keys, without `task`.
 """
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -15,9 +16,21 @@ DEFAULT_TASK = "sequence-classification"  # what folders written before tasks we
 def run_record(args, plan, task, hub_target=None) -> dict:
     record = {key: value for key, value in vars(args).items() if key != "hub_token"}
     record |= plan.as_dict() | task.record() | {"task": task_spec(task)}
+    # The data files by their contents, which a resume compares: a copy of them elsewhere (a job's scratch folder)
+    # resumes; a changed file, or a validation file dropped (its rows would be held out of the training data), not.
+    for flag in ("train_file", "validation_file"):
+        record[f"{flag}_sha256"] = file_sha256(getattr(args, flag)) if getattr(args, flag, None) else None
     if hub_target is not None:
         record["hub_model_id"] = hub_target.repo_id  # resolved to owner/name
     return {key: str(value) if isinstance(value, Path) else value for key, value in record.items()}
+
+
+def file_sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def task_spec(task) -> str:

@@ -4,6 +4,7 @@ import os
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from accelerate import PartialState
@@ -125,7 +126,7 @@ def test_evaluating_a_folder_that_is_not_a_model_is_one_line(tmp_path, tiny_data
 
 def test_resume_with_other_batching_settings_is_refused(tmp_path, tiny_model, tiny_data):
     out = tmp_path / "out"
-    train.main(train.parse_train_args(train_args(tiny_model, *tiny_data, out, "--checkpointing_steps", "4")))
+    first = train.main(train.parse_train_args(train_args(tiny_model, *tiny_data, out, "--checkpointing_steps", "4")))
     changed = train_args(tiny_model, *tiny_data, out, "--resume_from_checkpoint", "latest", "--seed", "8")
     with pytest.raises(train.UserError, match=r"made with other settings \(--seed 7 -> 8\)"):
         train.main(train.parse_train_args(changed))
@@ -134,6 +135,26 @@ def test_resume_with_other_batching_settings_is_refused(tmp_path, tiny_model, ti
                              "--validation_split_percentage", "20")  # fmt: skip
     with pytest.raises(train.UserError, match=r"other settings \(--validation_split_percentage \d+ -> 20\)"):
         train.main(train.parse_train_args(other_split))
+    # The optimizer's state and the schedule come from the checkpoint: another learning rate would be ignored.
+    other_rate = train_args(tiny_model, *tiny_data, out, "--resume_from_checkpoint", "latest", "--learning_rate", "1")
+    with pytest.raises(train.UserError, match=r"other settings \(--learning_rate 0.001 -> 1.0\)"):
+        train.main(train.parse_train_args(other_rate))
+    # Data files by their contents: a copy elsewhere resumes (a job's scratch folder); without the validation file,
+    # its share of the training rows would be held out, so that is refused, as is a changed file.
+    copies = tmp_path / "scratch"
+    copies.mkdir()
+    train_copy, dev_copy = (Path(shutil.copy(file, copies)) for file in tiny_data)
+    resumed = train.main(train.parse_train_args(
+        train_args(tiny_model, train_copy, dev_copy, out, "--resume_from_checkpoint", "latest")))  # fmt: skip
+    assert resumed["global_step"] == first["global_step"] and resumed["eval_loss"] == first["eval_loss"]
+    no_dev = train_args(tiny_model, train_copy, dev_copy, out, "--resume_from_checkpoint", "latest")
+    no_dev[no_dev.index("--validation_file") : no_dev.index("--validation_file") + 2] = []
+    with pytest.raises(train.UserError, match=r"other settings \(--validation_file_sha256 [0-9a-f]{64} -> None\)"):
+        train.main(train.parse_train_args(no_dev))
+    train_copy.write_text(train_copy.read_text().replace("negative", "positive", 1))
+    changed_data = train_args(tiny_model, train_copy, dev_copy, out, "--resume_from_checkpoint", "latest")
+    with pytest.raises(train.UserError, match=r"other settings \(--train_file_sha256 [0-9a-f]{64} -> [0-9a-f]{64}\)"):
+        train.main(train.parse_train_args(changed_data))
 
 
 def test_an_error_on_one_rank_only_stops_every_rank_promptly(two_rank_run, tmp_path):
