@@ -8,8 +8,8 @@ from accelerate.utils import DistributedType
 from peft import LoraConfig, PeftConfig, PeftModel, TaskType, get_peft_model
 from safetensors.torch import load_model as load_safetensors
 from transformers import AutoConfig
-from transformers.utils import CONFIG_NAME
 from transformers.pytorch_utils import Conv1D
+from transformers.utils import CONFIG_NAME
 
 from src.errors import UserError
 from src.model import check_tied_as_configured, empty_on_this_rank
