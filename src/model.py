@@ -93,6 +93,25 @@ def resolve_max_length(max_length: int | None, tokenizer, config=None, default: 
     return max_length
 
 
+def in_checkpoint_order(args, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The data's label `names` in the order of --model_name_or_path's head when that head was trained on the same
+    labels (roberta-large-mnli on MNLI, a CoNLL tagger on IOB tags): a head of the right size is kept as it is, so
+    label ids must follow its rows. Names match ignoring case, as in run_glue_no_trainer.py; otherwise `names`."""
+    if not args.model_name_or_path:
+        return names
+    config = _load("model config", AutoConfig.from_pretrained, args.model_name_or_path,
+                   trust_remote_code=args.trust_remote_code)  # fmt: skip
+    theirs = [config.id2label[i] for i in sorted(config.id2label)]
+    ours = {name.lower(): name for name in names}
+    if theirs == [f"LABEL_{i}" for i in range(len(theirs))] or len(theirs) != len(names):
+        return names  # no names of its own, or a head of another size that gets replaced
+    if len(ours) == len(names) and sorted(ours) == sorted(name.lower() for name in theirs):
+        return tuple(ours[name.lower()] for name in theirs)
+    logger.warning(f"--model_name_or_path's head was trained on other labels ({', '.join(theirs[:5])}); it is kept "
+                   f"and its rows now stand for these data's {', '.join(names[:5])}, in that order")  # fmt: skip
+    return names
+
+
 def weights_dtype(lora: bool, mixed_precision: str):
     """fp32 master weights for whatever is trained (autocast computes in bf16/fp16). The frozen base under LoRA is
     never updated: with mixed precision it stays in the checkpoint's dtype, so an 8B bf16 model takes 16 GB, not 32."""

@@ -17,7 +17,7 @@ from src.tasks.sequence_classification import SINGLE_LABEL, SequenceClassificati
 
 def detect_task(dataset, label_column):
     args = SimpleNamespace(text_column=None, text_pair_column=None, label_column=label_column, class_weights="none",
-                           multi_label_threshold=0.5)  # fmt: skip
+                           multi_label_threshold=0.5, model_name_or_path=None)  # fmt: skip
     return SequenceClassification.from_data(args, dataset)
 
 

@@ -47,7 +47,7 @@ def detect_task(dataset, label_column, class_weights="none", threshold=0.5, max_
     """The task that train.py finds in these training rows (columns detected, labels from `label_column`)."""
     args = SimpleNamespace(text_column=None, text_pair_column=None, label_column=label_column,
                            class_weights=class_weights, multi_label_threshold=threshold,
-                           max_train_samples=max_train_samples)  # fmt: skip
+                           max_train_samples=max_train_samples, model_name_or_path=None)  # fmt: skip
     return SequenceClassification.from_data(args, dataset)
 
 
@@ -128,6 +128,36 @@ def test_multi_label_encoding_loss_and_predictions(tmp_path, tiny_model):
     single = load_file(write_rows(tmp_path / "s.csv", sentiment_rows(4)))
     with pytest.raises(UserError, match="holds one label per row, but the model does multi-label"):
         replace(task, columns=("sentence", None, "label")).features(single, tokenizer, 16)
+
+
+def test_a_head_trained_on_these_labels_keeps_its_order(tmp_path, tiny_model):
+    """A checkpoint fine-tuned on the same labels in another order (roberta-large-mnli's CONTRADICTION, NEUTRAL,
+    ENTAILMENT for GLUE's entailment, neutral, contradiction) keeps its head, of the right size, as it is: the label
+    ids must follow its rows (matched ignoring case, as run_glue_no_trainer.py does), or every prediction is another
+    class. Two copies of one classifier that says "negative", its head's rows and names stored in either order."""
+    from transformers import AutoModelForSequenceClassification
+
+    train_file = write_rows(tmp_path / "train.csv", sentiment_rows(16, seed=1))
+    dev_file = write_rows(tmp_path / "dev.csv", [r for r in sentiment_rows(40, seed=2) if r["label"] == "negative"])
+    results = {}
+    for names in (["negative", "positive"], ["POSITIVE", "NEGATIVE"]):
+        model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=2)
+        with torch.no_grad():
+            model.classifier.bias.copy_(torch.tensor([5.0, -5.0]))
+            if names[0] == "POSITIVE":
+                model.classifier.weight.copy_(model.classifier.weight.flip(0))
+                model.classifier.bias.copy_(model.classifier.bias.flip(0))
+        model.config.id2label, model.config.label2id = dict(enumerate(names)), {n: i for i, n in enumerate(names)}
+        folder = tmp_path / names[0]
+        model.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(tiny_model).save_pretrained(folder)
+        out = tmp_path / f"out-{names[0]}"
+        argv = train_args(folder, train_file, dev_file, out, "--learning_rate", "1e-12", "--max_train_steps", "1")
+        results[names[0]] = train.main(train.parse_train_args(argv))
+        saved = AutoConfig.from_pretrained(out).id2label
+        assert saved == ({0: "negative", 1: "positive"} if names[0] == "negative" else {0: "positive", 1: "negative"})
+    assert results["negative"]["eval_accuracy"] == results["POSITIVE"]["eval_accuracy"] == 1.0
+    assert results["POSITIVE"]["eval_loss"] == pytest.approx(results["negative"]["eval_loss"], rel=1e-5)
 
 
 def test_string_labels_in_a_column_named_labels_become_class_ids(tmp_path, tiny_model):

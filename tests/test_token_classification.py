@@ -34,8 +34,19 @@ def jsonl_rows(path: Path, count: int, folder: Path, rename: dict | None = None)
 
 def flags(**values):
     defaults = {"text_column": None, "label_column": None, "label_all_tokens": False,
-                "return_entity_level_metrics": False}  # fmt: skip
+                "return_entity_level_metrics": False, "model_name_or_path": None}  # fmt: skip
     return types.SimpleNamespace(**(defaults | values))
+
+
+def test_a_tagger_trained_on_these_tags_keeps_its_order(tmp_path):
+    """Fine-tuning a tagger on its own tags (a CoNLL model on IOB data) keeps its head: the tag ids follow its rows."""
+    from transformers import BertConfig
+
+    BertConfig(id2label={0: "I-LOC", 1: "O", 2: "B-LOC"}).save_pretrained(tmp_path)
+    data = Dataset.from_list([{"tokens": ["in", "New", "York"], "ner_tags": ["O", "B-LOC", "I-LOC"]}])
+    assert TokenClassification.from_data(flags(), data).label_names == ("B-LOC", "I-LOC", "O")
+    tagger = TokenClassification.from_data(flags(model_name_or_path=str(tmp_path), trust_remote_code=False), data)
+    assert tagger.label_names == ("I-LOC", "O", "B-LOC")
 
 
 def test_auto_finds_word_and_tag_lists_by_any_name():

@@ -59,6 +59,8 @@ class SequenceClassification(Task):
     def from_data(cls, args, train: Dataset) -> "SequenceClassification":
         """Classification for integer, string or ClassLabel labels (names in sorted order), multi-label for lists
         of them, regression for floats. `--class_weights balanced` weighs the loss by inverse label frequencies."""
+        from src.model import in_checkpoint_order
+
         columns = detect_columns(train.column_names, args.text_column, args.text_pair_column, args.label_column)
         label_column = columns[2]
         if isinstance(train.features[columns[0]], (List, LargeList)):
@@ -73,7 +75,7 @@ class SequenceClassification(Task):
             task = cls(SINGLE_LABEL, tuple(feature.names))
         else:
             task = _single_value_task(cls, train, label_column, feature)
-        task = replace(task, columns=columns)
+        task = replace(task, columns=columns, label_names=in_checkpoint_order(args, task.label_names))
         if not task.is_regression and len(task.label_names) < 2:
             only = f"one label only ({task.label_names[0]!r})"
             if task.is_multi_label:

@@ -56,6 +56,8 @@ class TokenClassification(Task):
 
     @classmethod
     def from_data(cls, args, train: Dataset) -> "TokenClassification":
+        from src.model import in_checkpoint_order
+
         found = _word_and_tag_columns(train, args.text_column, args.label_column)
         if found is None:
             raise UserError(
@@ -74,7 +76,9 @@ class TokenClassification(Task):
                 values.update(tags_of_row)
             # Tag numbers without ClassLabel names (a Hub dataset saved as JSON) are named by their numbers.
             names = [str(value) for value in sorted(values)]
-        task = cls(tuple(names), found, args.label_all_tokens, args.return_entity_level_metrics)
+        task = cls(
+            in_checkpoint_order(args, tuple(names)), found, args.label_all_tokens, args.return_entity_level_metrics
+        )
         if task.return_entity_level_metrics and not task.iob:
             raise UserError(
                 f"--return_entity_level_metrics scores entities of IOB tags (B-X, I-X, O), and {tags!r} holds other "
