@@ -36,7 +36,7 @@ from src.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from src.data import load_raw_splits
+from src.data import check_columns, load_raw_splits
 from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli
 from src.evaluation import evaluate, evaluate_more
 from src.hub import check_hub_access, push_to_hub
@@ -103,6 +103,7 @@ def load_data_and_model(args, accelerator):
         else:
             cls = task_class(args.task)
         task = cls.from_data(args, train)  # labels from the whole split, as transformers' run_*.py scripts
+        check_columns(raw, task.record())
         if args.max_train_samples:
             raw["train"] = train.take(args.max_train_samples)
         tokenizer = task.load_tokenizer(args.tokenizer_name, args)

@@ -132,6 +132,18 @@ def load_raw_splits(args) -> DatasetDict:
     return splits
 
 
+def check_columns(splits: DatasetDict, record: dict):
+    """The validation splits hold the columns that the task found in the training data and reads (the `*_column`
+    keys of its record): without its labels, say, a run would train until its first evaluation and fail there."""
+    wanted = [column for key, column in record.items() if key.endswith("_column") and column]
+    for name, split in splits.items():
+        if missing := [column for column in wanted if column not in split.column_names]:
+            raise UserError(
+                f"the {name} data has no column {', '.join(map(repr, missing))}, which the training data has and "
+                f"the task reads; its columns are {', '.join(split.column_names)}: give it the training data's names"
+            )
+
+
 def detect_columns(
     column_names: list[str],
     text_column: str | None = None,

@@ -263,3 +263,16 @@ def test_fsdp_on_a_machine_without_gpus_is_refused_before_anything_is_written(sc
     with pytest.raises(module.UserError, match=r"needs GPUs.*--config_file accelerate_configs/cpu\.yaml instead$"):
         module.main(args)
     assert not out.exists()
+
+
+def test_validation_data_without_the_training_columns_is_refused_before_training(tmp_path, tiny_model, tiny_data):
+    """A validation file without labels (or with the text under another name) would train until the first
+    evaluation, and then fail with an error about the task's metrics, or a KeyError."""
+    rows = sentiment_rows(8, seed=3)
+    unlabelled = write_rows(tmp_path / "unlabelled.csv", [{"sentence": row["sentence"]} for row in rows])
+    renamed = write_rows(tmp_path / "renamed.csv", [{"text": row["sentence"], "label": row["label"]} for row in rows])
+    for dev, missing in ((unlabelled, "'label'"), (renamed, "'sentence'")):
+        argv = train_args(tiny_model, tiny_data[0], dev, tmp_path / dev.stem, "--checkpointing_steps", "1")
+        with pytest.raises(train.UserError, match=f"the validation data has no column {missing}, which the training"):
+            train.main(train.parse_train_args(argv))
+        assert not (tmp_path / dev.stem / "checkpoint-1").exists(), "refused before the first step"
