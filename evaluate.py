@@ -20,7 +20,7 @@ from accelerate.logging import get_logger
 from datasets import Dataset
 
 from src.args import Flags, build_eval_parser, parse_args
-from src.checkpoint import STATE_FILE
+from src.checkpoint import RESULTS_FILE, STATE_FILE
 from src.data import load_file, load_hub_dataset, pick_split
 from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli
 from src.evaluation import evaluate
@@ -29,7 +29,7 @@ from src.glue import glue_labels
 from src.loaders import build_eval_dataloader, padding_options
 from src.model import prepare_for_evaluation, resolve_max_length
 from src.precision import choose_precision
-from src.record import DEFAULT_TASK, read_record
+from src.record import DEFAULT_TASK, RECORD_FILE, read_record
 from src.reporting import setup_logging, write_json
 from src.runtime import one_precision_per_process, refuse_fsdp_without_gpus, set_cpu_threads
 from src.tasks import task_class
@@ -48,6 +48,10 @@ def parse_eval_args(argv=None):
     if (model / STATE_FILE).is_file():  # accelerate's state, without the config that from_pretrained reads
         parser.error(f"--model_name_or_path {model} is a checkpoint, for train.py --resume_from_checkpoint; evaluate "
                      f"its run's output folder ({model.parent}) once the run has finished")  # fmt: skip
+    if (model / RECORD_FILE).is_file() and not (model / RESULTS_FILE).is_file():  # started, stopped, or overwritten
+        parser.error(f"--model_name_or_path {model} holds a train.py run that has not finished (no {RESULTS_FILE}; "
+                     "any model there is an earlier run's): resume it with its train.py command and "
+                     "--resume_from_checkpoint latest, then evaluate it")  # fmt: skip
     if args.output_dir is None and not model.is_dir():
         parser.error(f"--model_name_or_path {model} is no local folder (a Hub model needs --output_dir for results)")
     return Flags(vars(args))

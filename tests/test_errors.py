@@ -122,6 +122,10 @@ def test_evaluating_a_folder_that_is_not_a_model_is_one_line(tmp_path, tiny_data
     expected = "is a checkpoint, for train.py --resume_from_checkpoint; evaluate its run's output folder"
     expected += f" ({checkpoint.parent})"
     assert expected in capsys.readouterr().err
+    (checkpoint.parent / "args.json").write_text("{}")  # stopped before its end, or started again over a finished run
+    with pytest.raises(SystemExit):
+        evaluate_script.parse_eval_args(["--model_name_or_path", str(checkpoint.parent), *missing[2:]])
+    assert "holds a train.py run that has not finished (no all_results.json" in capsys.readouterr().err
 
 
 def test_resume_with_other_batching_settings_is_refused(tmp_path, tiny_model, tiny_data):
