@@ -20,7 +20,7 @@ from accelerate.logging import get_logger
 from datasets import Dataset
 
 from src.args import Flags, build_eval_parser, parse_args
-from src.checkpoint import RESULTS_FILE, STATE_FILE
+from src.checkpoint import RESULTS_FILE, STATE_FILE, check_writable
 from src.data import load_file, load_hub_dataset, pick_split
 from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli
 from src.evaluation import evaluate
@@ -71,6 +71,7 @@ def load_split(args, keep_linebreaks: bool = True) -> Dataset:
 
 def main(args):
     refuse_fsdp_without_gpus()
+    check_writable(args.output_dir or args.model_name_or_path)  # results go to the model folder by default
     # What the training run was (task, labels, columns, precision, max_length), or {} for a model from elsewhere.
     record = read_record(args.model_name_or_path)
     on_cpu = not torch.accelerator.is_available()

@@ -30,8 +30,20 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+def check_writable(folder: Path, flag: str = "--output_dir"):
+    """A folder that can be made and written, checked before hours of work: a path through a file, or a read-only
+    or foreign folder, would fail at the first save."""
+    existing = next(path for path in (Path(folder), *Path(folder).absolute().parents) if path.exists())
+    if not existing.is_dir():
+        raise UserError(f"{flag} {folder}: {existing} is a file, not a folder; choose another {flag}")
+    if not os.access(existing, os.W_OK):
+        raise UserError(f"{flag} {folder}: {existing} cannot be written (read-only, or another user's); choose "
+                        f"another {flag}")  # fmt: skip
+
+
 def check_output_dir(output_dir: Path, overwrite: bool, resume: bool):
-    """Refuse to train over a finished run or its checkpoints unless asked to."""
+    """Refuse to train over a finished run or its checkpoints unless asked to, or where nothing can be written."""
+    check_writable(output_dir)
     if resume or overwrite or not Path(output_dir).is_dir():
         return
     earlier = [p.name for p in complete_checkpoints(output_dir)] + (
@@ -101,6 +113,9 @@ def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
     path = Path(spec)
     if not path.is_dir():
         raise UserError(f"--resume_from_checkpoint {spec}: no such folder")
+    if path.name.endswith(".incomplete"):  # a save cut short, whatever it holds; the next save replaces it
+        raise UserError(f"--resume_from_checkpoint {spec}: a save that was cut short; use an earlier checkpoint or "
+                        "'latest'")  # fmt: skip
     if not (path / STATE_FILE).is_file():
         raise UserError(
             f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); it may have been "

@@ -12,6 +12,7 @@ import torch
 from accelerate import PartialState, init_empty_weights
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, parse_flag_from_env
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 
 from src.errors import UserError
@@ -37,7 +38,8 @@ def _load(what, loader, name_or_path, flag="--model_name_or_path", **kwargs):
     """loader(name_or_path), with one-line errors that name the flag that gave it."""
     try:
         return loader(name_or_path, **kwargs)
-    except (OSError, ValueError, RuntimeError) as err:  # RuntimeError: a head of another size, not ignored
+    # RuntimeError: a head of another size, not ignored; SafetensorError: a weights file cut short (a kill while saving)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         if "contains custom code" in str(err):  # transformers refused to run the repository's own code
             raise UserError(
                 f"{flag} {name_or_path} ships its own Python code; read it, then pass "

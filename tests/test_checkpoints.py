@@ -107,6 +107,8 @@ def test_a_save_cut_short_is_ignored_and_replaced_by_the_next_one(tiny_model, da
     from src.checkpoint import resolve_checkpoint
 
     assert resolve_checkpoint("latest", out).name == "checkpoint-4"
+    with pytest.raises(train.UserError, match="checkpoint-8.incomplete: a save that was cut short; use an earlier"):
+        resolve_checkpoint(str(leftover), out)  # named by hand: never resumed from (it would then be removed)
     run_main(*args, "--resume_from_checkpoint", "latest")
     assert not leftover.exists()
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]

@@ -280,3 +280,21 @@ def test_validation_data_without_the_training_columns_is_refused_before_training
         with pytest.raises(train.UserError, match=f"the validation data has no column {missing}, which the training"):
             train.main(train.parse_train_args(argv))
         assert not (tmp_path / dev.stem / "checkpoint-1").exists(), "refused before the first step"
+
+
+def test_an_output_folder_that_cannot_be_written_or_a_model_cut_short_is_one_line(tmp_path, trained_tiny_model):
+    """Found before any work (a path through a file; a read-only folder takes the same check), and a weights file
+    cut short by a kill during the final save is named, not a safetensors traceback."""
+    (tmp_path / "file").write_text("")
+    dev = write_rows(tmp_path / "dev.csv", sentiment_rows(4, seed=5))
+    with pytest.raises(train.UserError, match=r"--output_dir .*file/run: .*file is a file, not a folder"):
+        train.main(train.parse_train_args(train_args(trained_tiny_model, dev, dev, tmp_path / "file" / "run")))
+    evaluate_args = ["--model_name_or_path", str(trained_tiny_model), "--validation_file", str(dev)]
+    with pytest.raises(evaluate_script.UserError, match=r"is a file, not a folder; choose another --output_dir"):
+        evaluate_script.main(evaluate_script.parse_eval_args([*evaluate_args, "--output_dir", str(tmp_path / "file")]))
+    cut = tmp_path / "cut"
+    shutil.copytree(trained_tiny_model, cut)
+    weights = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    with pytest.raises(evaluate_script.UserError, match=r"cut: cannot load a fine-tuned model \(.*incomplete"):
+        evaluate_script.main(evaluate_script.parse_eval_args(["--model_name_or_path", str(cut), *evaluate_args[2:]]))
