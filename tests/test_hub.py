@@ -194,7 +194,8 @@ def test_the_model_card_of_an_adapter_run_and_unknown_settings(tmp_path):
     write_model_card(tmp_path, settings, {"eval_accuracy": 0.91234, "eval_samples": 100, "global_step": 30}, BINARY)
     card = (tmp_path / "README.md").read_text()
     assert "library_name: peft" in card and "base_model: meta-llama/Llama-3.2-1B" in card
-    assert 'AutoModelForSequenceClassification.from_pretrained("meta-llama/Llama-3.2-1B", config=config)' in card
+    base = 'AutoModelForSequenceClassification.from_pretrained("meta-llama/Llama-3.2-1B", config=config, ignore_mis'
+    assert base + "matched_sizes=True)" in card
     assert "PeftModel.from_pretrained(base, " in card and "datasets: [imdb]" in card
     assert "| accuracy | 0.9123 |" in card and "(100 examples)" in card
     assert "| PEFT | lora_r=8, lora_alpha=16 |" in card and "| warmup | 5 steps |" in card

@@ -348,3 +348,18 @@ def test_a_row_with_more_words_than_tags_is_one_line(tmp_path):
     task = TokenClassification(("B-LOC", "I-LOC", "O"), ("tokens", "ner_tags"))
     with pytest.raises(UserError, match="row 1 has 2 words in 'tokens' and 1 tags in 'ner_tags'"):
         task.features(data, tokenizer, 32)
+
+
+def test_a_lora_tagger_loads_as_its_model_card_says(tiny_model, tmp_path):
+    """The card of a LoRA output folder (adapter and head, no whole model) loads it on its base, with its tags."""
+    train_file, dev = jsonl_rows(UNER / "train.jsonl", 16, tmp_path), jsonl_rows(UNER / "validation.jsonl", 4, tmp_path)
+    out = tmp_path / "out"
+    run_in_process("train", train_args(tiny_model, train_file, dev, out, "--use_peft", "--max_train_steps", "1"))
+    code = (out / "README.md").read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    loaded = {}
+    exec(code, loaded)
+    model, tokenizer = loaded["model"], loaded["tokenizer"]
+    assert type(model).__name__ == "PeftModelForTokenClassification"
+    tags = json.loads((out / "config.json").read_text())["id2label"]
+    logits = model(**tokenizer(["in", "New", "York"], is_split_into_words=True, return_tensors="pt")).logits
+    assert logits.shape[-1] == len(tags) > 2

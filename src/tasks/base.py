@@ -162,3 +162,18 @@ class Task:
     def model_card(self, where: str, base_name: str, adapter: bool) -> dict:
         """{'kind': what the model does, 'pipeline_tag', 'labels': names or [], 'usage': lines of Python}."""
         return {"kind": self.describe(), "pipeline_tag": None, "labels": [], "usage": []}
+
+    def adapter_usage(self, where: str, base_name: str) -> list[str]:
+        """How to load a LoRA output folder of a task with a new head: the base model takes the folder's config
+        (labels, pad token, head size); peft's AutoPeft* classes would rebuild it from the base model's own config
+        and fail on the head, or lose the labels."""
+        return [
+            "from peft import PeftModel",
+            f"from transformers import AutoConfig, {self.auto_class}, AutoTokenizer",
+            "",
+            f'config = AutoConfig.from_pretrained("{where}")',
+            # The base's own head, if it has one, may be of another size: the folder's trained head replaces it.
+            f'base = {self.auto_class}.from_pretrained("{base_name}", config=config, ignore_mismatched_sizes=True)',
+            f'model = PeftModel.from_pretrained(base, "{where}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
+        ]

@@ -323,17 +323,7 @@ class SequenceClassification(Task):
             MULTI_LABEL: f"multi-label classification ({self.num_labels} labels, any number per text)",
         }.get(self.problem_type, f"classification into {self.num_labels} classes")
         if adapter:
-            # The base model takes this folder's config (labels, pad token, head size); peft's AutoPeft* classes
-            # would rebuild it from the base model's own config and fail on the head, or lose the labels.
-            usage = [
-                "from peft import PeftModel",
-                "from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer",
-                "",
-                f'config = AutoConfig.from_pretrained("{where}")',
-                f'base = AutoModelForSequenceClassification.from_pretrained("{base_name}", config=config)',
-                f'model = PeftModel.from_pretrained(base, "{where}")',
-                f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
-            ]
+            usage = self.adapter_usage(where, base_name)
         else:
             top_k = ", top_k=None" if self.is_multi_label else ""
             usage = [

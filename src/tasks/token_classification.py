@@ -292,9 +292,10 @@ class TokenClassification(Task):
 
     # --- the model card ---
     def model_card(self, where: str, base_name: str, adapter: bool) -> dict:
-        usage = ["from transformers import pipeline", "",
-                 f'tagger = pipeline("token-classification", model="{where}", aggregation_strategy="first")',
-                 'print(tagger("Your text here"))']  # fmt: skip
+        usage = self.adapter_usage(where, base_name) if adapter else [
+            "from transformers import pipeline", "",
+            f'tagger = pipeline("token-classification", model="{where}", aggregation_strategy="first")',
+            'print(tagger("Your text here"))']  # fmt: skip
         return {"kind": self.describe(), "pipeline_tag": "token-classification", "labels": list(self.label_names),
                 "usage": usage}  # fmt: skip
 
