@@ -26,9 +26,14 @@ TRACKERS = ["tensorboard", "wandb", "mlflow", "comet_ml", "clearml", "all", "non
 # point --save_steps at --eval_steps.
 UPSTREAM_FLAGS = {
     "--save_steps": "--checkpointing_steps N",
-    "--save_strategy": "--checkpointing_steps N|epoch",
-    "--eval_strategy": "--eval_steps N (default: at each epoch's end)",
-    "--evaluation_strategy": "--eval_steps N (default: at each epoch's end)",
+    "--save_strategy": "--checkpointing_steps N|epoch (default: none)",
+    "--eval_strategy": "--eval_steps N (default: at each epoch's end; always on)",
+    "--evaluation_strategy": "--eval_steps N (default: at each epoch's end; always on)",
+    # Closer in spelling to flags of ours that do something else:
+    "--eval_accumulation_steps": "nothing (evaluation gathers each batch's outputs as it goes)",
+    "--logging_first_step": "nothing (--logging_steps N: every N steps)",
+    "--low_cpu_mem_usage": "nothing (transformers 5 always loads with low memory use)",
+    "--overwrite_cache": "nothing (datasets caches the tokenised data under a fingerprint of data and tokenizer)",
     "--do_train": "nothing (train.py trains and evaluates; evaluate.py only evaluates)",
     "--do_eval": "nothing (train.py trains and evaluates; evaluate.py only evaluates)",
     "--do_predict": "evaluate.py, which writes predictions.csv",

@@ -73,8 +73,11 @@ def test_defaults_are_sensible():
         (["--save_steps", "500"], "did you mean --save_steps -> --checkpointing_steps N?"),
         (
             ["--eval_strategy", "steps", "--bf16"],
-            "--eval_strategy -> --eval_steps N (default: at each epoch's end), --bf16 -> --mixed_precision bf16?",
+            "--eval_strategy -> --eval_steps N (default: at each epoch's end; always on), --bf16 -> --mixed_precision "
+            "bf16?",
         ),
+        # Not our --gradient_accumulation_steps, which a spelling match would suggest.
+        (["--eval_accumulation_steps", "4"], "--eval_accumulation_steps -> nothing (evaluation gathers each batch"),
         (["--dataset_text_field=text"], "--dataset_text_field -> --text_column"),
         (["--padding_free"], "--padding_free -> --packing"),
         (["--eos_token", "</s>"], "unrecognized arguments: --eos_token </s> (see --help)"),  # no --hub_token hint
