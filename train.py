@@ -30,6 +30,7 @@ from src.checkpoint import (
     check_output_dir,
     is_checkpoint_writer,
     load_checkpoint,
+    lock_output_dir,
     newest_checkpoint,
     read_checkpoint_args,
     remove_checkpoints,
@@ -262,6 +263,9 @@ def main(args):
 
 def start_or_resume(args, accelerator, resume_path, record: dict, batches_per_epoch: int) -> TrainState:
     """The loop's position (restored from a checkpoint, or a fresh start), with the run's files set up."""
+    with errors_reach_every_rank(accelerator):
+        if is_checkpoint_writer(accelerator, args.save_on_each_node):
+            lock_output_dir(args.output_dir)  # before anything is written: no second run may write there meanwhile
     state = TrainState(num_processes=accelerator.num_processes)
     if resume_path:
         state = load_checkpoint(accelerator, resume_path, record)

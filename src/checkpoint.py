@@ -4,20 +4,27 @@ A checkpoint is written to `checkpoint-<step>.incomplete/` and renamed to `check
 every rank has finished writing, so a kill during a save leaves the previous checkpoint as the latest.
 """
 
+import fcntl
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import torch
+from accelerate.logging import get_logger
 from accelerate.utils import RNG_STATE_NAME, load
 
 from src.errors import UserError
 from src.state import TrainState
 
+logger = get_logger(__name__)
+
 STATE_FILE = "training_state.json"
 PREFIX = "checkpoint-"
 RESULTS_FILE = "all_results.json"
+LOCK_FILE = ".lock"  # held by the run writing into the folder: see lock_output_dir
+_held_lock = []  # the lock file of this process's run, held until the process exits or starts another run
 
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
@@ -55,6 +62,33 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool):
             "--resume_from_checkpoint latest to continue it, --overwrite_output_dir to start afresh there, "
             "or choose another --output_dir"
         )
+
+
+def lock_output_dir(output_dir: Path):
+    """Hold the folder for this run until the process exits: a second run started into it (a duplicate job, or a
+    requeued one while the old one's ranks still save) would mix its files with this one's. An advisory lock on
+    LOCK_FILE, which the system lets go of when the process ends, however it ends."""
+    while _held_lock:  # an earlier run in this process (a notebook, the tests) has ended: one run at a time
+        _held_lock.pop().close()
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    file = open(Path(output_dir) / LOCK_FILE, "a+")  # noqa: SIM115 (open until the process exits)
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        holder = file.read().strip() or "another process"
+        file.close()
+        raise UserError(f"--output_dir {output_dir} is in use by another run ({holder}): wait for it to end, or "
+                        "choose another --output_dir") from None  # fmt: skip
+    except OSError as err:  # a file system without locks (some network ones): the run goes on unguarded
+        file.close()
+        logger.warning(f"--output_dir {output_dir} cannot be locked ({err.strerror}): make sure no other run writes "
+                       "into it")  # fmt: skip
+        return
+    file.truncate(0)
+    file.write(f"train.py, pid {os.getpid()} on {socket.gethostname()}\n")
+    file.flush()
+    _held_lock.append(file)
 
 
 def remove_checkpoints(output_dir: Path, only_incomplete: bool = False):

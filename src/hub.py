@@ -13,6 +13,7 @@ from accelerate.logging import get_logger
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 
+from src.checkpoint import LOCK_FILE
 from src.errors import UserError, main_process_first
 from src.reporting import tracker_run_name
 
@@ -101,7 +102,7 @@ def push_to_hub(args, accelerator, target: HubTarget | None):
             repo_id=target.repo_id,
             folder_path=args.output_dir,
             commit_message="End of training",
-            ignore_patterns=[f"{folder}/" for folder in local_only],
+            ignore_patterns=[f"{folder}/" for folder in local_only] + [LOCK_FILE],
             token=target.token,
         )
     except Exception as err:  # after a long training: say where the model is and how to upload it by hand

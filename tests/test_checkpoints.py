@@ -45,10 +45,11 @@ def test_rotation_keeps_the_newest_and_the_best(tiny_model, data, tmp_path, limi
 def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkeypatch):
     out = tmp_path / "out"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "epoch"))
-    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    # The run's files; the lock file is the running run's (rewritten by the run that stops at the tracker below).
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
     with pytest.raises(train.UserError, match="--overwrite_output_dir.*|--resume_from_checkpoint latest"):
         run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1"))
-    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}, "nothing touched"
+    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}, "untouched"
 
     # A tracker that cannot start (wandb without an API key, say) stops the run before the old one is removed.
     def refuse(*args, **kwargs):
@@ -58,7 +59,7 @@ def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkey
         patch.setattr(train.Accelerator, "init_trackers", refuse)
         with pytest.raises(RuntimeError, match="tracker refused"):
             run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--overwrite_output_dir"))
-    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}, "nothing touched"
+    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}, "untouched"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--overwrite_output_dir"))
     assert not list(out.glob("checkpoint-*")), "the old run's checkpoints went with it"
     # Overwritten by a run that stops before its end: the old run's results (its mark of being done) go too.
@@ -164,3 +165,29 @@ def test_the_best_model_is_found_in_a_resumed_run_s_folder_that_moved(tiny_model
     resumed = run_main(*train_args(tiny_model, *data, tmp_path / "new", *flags, "--resume_from_checkpoint", "latest"))
     whole = run_main(*train_args(tiny_model, *data, tmp_path / "whole", *flags))
     assert resumed["eval_loss"] == whole["eval_loss"]
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_until_the_first_ends(tiny_model, data, tmp_path):
+    """Two runs started into one folder (a duplicate job, or a requeued one while the old ranks still save) would
+    mix their checkpoints, args.json and model; the second is refused before it writes anything, and once the first
+    process has ended, however it ended, the folder is free."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = tmp_path / "out"
+    hold = (
+        f"from src.checkpoint import lock_output_dir; lock_output_dir({str(out)!r}); print('held', flush=True); input()"
+    )
+    first = subprocess.Popen([sys.executable, "-c", hold], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    try:
+        assert first.stdout.readline() == "held\n"
+        with pytest.raises(train.UserError, match=rf"--output_dir {out} is in use by another run \(train.py, pid "):
+            run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1"))
+        assert {p.name for p in out.iterdir()} == {".lock"}, "nothing written"
+    finally:
+        first.kill()
+        first.wait()
+    run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1"))
