@@ -212,6 +212,8 @@ def test_ner_reports_entity_level_metrics_and_evaluate_py_reproduces_them(ner_ru
     assert record["task"] == "token-classification" and record["text_column"] == "tokens"
     for key in ("eval_precision", "eval_recall", "eval_f1", "eval_accuracy", "eval_loss", "eval_LOC_f1"):
         assert key in results, key
+    for key in ("precision", "recall", "f1", "accuracy"):  # run_ner_no_trainer.py's names for them, with this flag
+        assert results[f"eval_overall_{key}"] == results[f"eval_{key}"], key
     types = {name[2:] for name in json.loads((ner_run["out"] / "config.json").read_text())["label2id"] if name != "O"}
     assert {key for key in results if key.endswith("_number")} == {f"eval_{kind}_number" for kind in types}, (
         "every entity type of the labels is reported, also one that the validation rows lack"

@@ -24,6 +24,7 @@ EMPTY_COLUMN = "words_empty"  # per example, the words that give no sub-token at
 WORD_IDS = "word_ids"
 TAG_COLUMNS = ("ner_tags", "tags", "upos", "pos_tags", "ner", "labels", "label")
 ENTITY_SCORES = ("precision", "recall", "f1", "number")  # per entity type, as the token_scores metric reports them
+OVERALL = ("precision", "recall", "f1", "accuracy")  # over every entity (accuracy: over every word)
 FLAGS = {
     "--label_all_tokens": "Label every sub-token of a word (B-X becomes I-X after the first), not the first only; the "
     "metrics then count sub-tokens too, as run_ner_no_trainer.py's do.",
@@ -257,7 +258,8 @@ class TokenClassification(Task):
             return ["accuracy", "f1", "loss"]
         names = ["precision", "recall", "f1", "accuracy", "loss"]
         if self.return_entity_level_metrics:  # LOC_f1 and the like can pick the best model too
-            names += [f"{entity}_{key}" for entity in self.entity_types() for key in ENTITY_SCORES]
+            names += [f"overall_{key}" for key in OVERALL] + [
+                f"{entity}_{key}" for entity in self.entity_types() for key in ENTITY_SCORES]  # fmt: skip
         return names
 
     def metrics(self, columns: dict) -> dict:
@@ -273,6 +275,8 @@ class TokenClassification(Task):
             none = dict.fromkeys(ENTITY_SCORES, 0.0)
             scores |= {f"{entity}_{key}": value for entity in self.entity_types()
                        for key, value in by_entity.get(entity, none).items()}  # fmt: skip
+            # The same scores under run_ner_no_trainer.py's names with this flag, for what reads eval_overall_f1.
+            scores |= {f"overall_{key}": scores[key] for key in OVERALL}
         return scores
 
     def prediction_rows(self, columns: dict, data) -> dict[str, list]:
