@@ -49,15 +49,19 @@ def test_a_tagger_trained_on_these_tags_keeps_its_order(tmp_path):
     assert tagger.label_names == ("I-LOC", "O", "B-LOC")
 
 
-def test_auto_finds_word_and_tag_lists_by_any_name():
+def test_auto_finds_word_and_tag_lists_by_any_name(tiny_model):
     data = Dataset.from_list([{"id": 1, "words": ["New", "York"], "ner": ["B-LOC", "I-LOC"]}])
     cls, why = detect_task(data)
     assert cls is TokenClassification and "'words'" in why and "'ner'" in why
     assert TokenClassification.from_data(flags(), data).columns == ("words", "ner")
     sentences = Dataset.from_list([{"text": "New York", "labels": ["B-LOC", "I-LOC"]}])  # multi-label, not words
     assert detect_task(sentences)[0].name == "sequence-classification"
-    uneven = Dataset.from_list([{"tokens": ["New", "York"], "ner_tags": ["B-LOC"]}])  # tags do not match words
-    assert detect_task(uneven)[0].name == "sequence-classification"
+    # A row whose tags do not match its words is a mistake in tagged data, named by its row, not other data.
+    uneven = Dataset.from_list([{"tokens": ["in", "Paris"], "ner_tags": ["O", "B-LOC"]}] * 3 +
+                               [{"tokens": ["New", "York"], "ner_tags": ["B-LOC"]}])  # fmt: skip
+    assert detect_task(uneven)[0] is TokenClassification
+    with pytest.raises(UserError, match="row 3 has 2 words in 'tokens' and 1 tags in 'ner_tags': give every word one"):
+        TokenClassification.from_data(flags(), uneven).features(uneven, load_tokenizer(str(tiny_model)), 16)
 
 
 def test_entity_level_metrics_name_every_type_of_the_labels():
