@@ -230,7 +230,7 @@ def load_checkpoint(accelerator, path: Path, record: dict) -> TrainState:
     except Exception as err:  # torch, safetensors and pickle each raise their own types for a damaged file
         raise UserError(
             f"checkpoint {path} cannot be loaded ({' '.join(str(err).split())[:300]}); it is damaged or from "
-            "another model: use an earlier checkpoint"
+            f"another model: use an earlier checkpoint{_earlier(path)}"
         ) from err
     # Without a shared file system each node picks its own 'latest': every rank must have the same step.
     steps = accelerator.gather(torch.tensor([state.global_step], device=accelerator.device))
@@ -240,6 +240,13 @@ def load_checkpoint(accelerator, path: Path, record: dict) -> TrainState:
             "folders hold different checkpoints; pass the same checkpoint path on every node"
         )
     return state
+
+
+def _earlier(path: Path) -> str:
+    """The checkpoint saved before `path` in its folder, as a flag ('latest' would pick `path` again)."""
+    checkpoints = complete_checkpoints(path.parent)
+    earlier = checkpoints[: checkpoints.index(path)] if path in checkpoints else []
+    return f" (--resume_from_checkpoint {earlier[-1]})" if earlier else " (there is none: start the run again)"
 
 
 def newest_checkpoint(output_dir: Path) -> Path | None:

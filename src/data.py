@@ -40,6 +40,8 @@ def load_file(path: Path, keep_linebreaks: bool = True) -> Dataset:
         raise UserError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(FILE_BUILDERS)}")
     if not path.is_file():
         raise UserError(f"{path}: no such file")
+    if path.stat().st_size == 0:
+        raise UserError(f"{path}: the file is empty")
     name, options = builder
     if name == "text":
         options = {"keep_linebreaks": keep_linebreaks}
@@ -48,6 +50,12 @@ def load_file(path: Path, keep_linebreaks: bool = True) -> Dataset:
     except Exception as err:  # the builders raise many types for unreadable input
         if "corresponds to no data" in str(err):  # a header and no rows
             raise UserError(f"{path}: the file has no rows") from err
+        cause = err  # a text file in another encoding: the builders' own message says only that generating failed
+        while cause is not None and not isinstance(cause, UnicodeDecodeError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            raise UserError(f"{path}: not UTF-8 text (byte {cause.object[cause.start]:#04x} at offset {cause.start} of "
+                            "a block); save it as UTF-8") from err  # fmt: skip
         raise UserError(f"{path}: cannot be read as {path.suffix[1:]}: {' '.join(str(err).split())[:300]}") from err
     if len(dataset) == 0:
         raise UserError(f"{path}: the file has no rows")

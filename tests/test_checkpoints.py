@@ -89,8 +89,13 @@ def test_broken_checkpoints_get_a_clear_error(tiny_model, data, tmp_path):
         run_main(*args, "--resume_from_checkpoint", str(incomplete))
     (incomplete / "training_state.json").write_text(state)
     (incomplete / "model.safetensors").write_bytes(b"\0" * 100)
-    with pytest.raises(train.UserError, match="checkpoint-4 cannot be loaded.*damaged"):
+    with pytest.raises(train.UserError, match="checkpoint-4 cannot be loaded.*damaged.*there is none: start the run"):
         run_main(*args, "--resume_from_checkpoint", str(incomplete))
+    # 'latest' would pick the damaged one again: the error names the one before it.
+    (out / "checkpoint-8" / "model.safetensors").write_bytes(b"\0" * 100)
+    earlier = f"damaged .*: use an earlier checkpoint \\(--resume_from_checkpoint {out / 'checkpoint-4'}\\)"
+    with pytest.raises(train.UserError, match=earlier):
+        run_main(*args, "--resume_from_checkpoint", "latest")
 
 
 def test_a_save_cut_short_is_ignored_and_replaced_by_the_next_one(tiny_model, data, tmp_path):

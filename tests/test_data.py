@@ -39,6 +39,12 @@ def test_file_errors_name_the_file(tmp_path):
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(UserError, match="broken.json: cannot be read as json"):
         load_file(tmp_path / "broken.json")
+    (tmp_path / "nothing.csv").write_text("")
+    with pytest.raises(UserError, match="nothing.csv: the file is empty"):  # datasets: "error generating the dataset"
+        load_file(tmp_path / "nothing.csv")
+    (tmp_path / "latin1.csv").write_bytes("sentence,label\ncaf\u00e9,1\n".encode("latin-1"))
+    with pytest.raises(UserError, match=r"latin1.csv: not UTF-8 text \(byte 0xe9 at offset \d+ of a block\); save it"):
+        load_file(tmp_path / "latin1.csv")
 
 
 @pytest.mark.parametrize(

@@ -298,3 +298,15 @@ def test_an_output_folder_that_cannot_be_written_or_a_model_cut_short_is_one_lin
     (cut / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     with pytest.raises(evaluate_script.UserError, match=r"cut: cannot load a fine-tuned model \(.*incomplete"):
         evaluate_script.main(evaluate_script.parse_eval_args(["--model_name_or_path", str(cut), *evaluate_args[2:]]))
+
+
+def test_ctrl_c_before_the_training_loop_is_one_line_and_status_130(capsys):
+    """Loading or tokenising, before the loop turns a signal into a checkpoint: no KeyboardInterrupt traceback."""
+    from src.errors import run_cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as stopped:
+        run_cli(interrupted, lambda: None)
+    assert stopped.value.code == 130 and capsys.readouterr().err == "interrupted\n"
