@@ -130,6 +130,17 @@ def test_multi_label_encoding_loss_and_predictions(tmp_path, tiny_model):
         replace(task, columns=("sentence", None, "label")).features(single, tokenizer, 16)
 
 
+def test_whole_numbers_written_as_floats_train_a_regression_and_say_so(tmp_path, caplog):
+    """One "1.0" among a CSV's 0 and 1 makes the column float: a regression, which a classifier's user would not see."""
+    from accelerate import PartialState
+
+    rows = [{"text": "a", "label": 0}, {"text": "b", "label": 1}, {"text": "c", "label": "1.0"}]
+    PartialState(cpu=True)  # accelerate's logger, which says it on the main process only
+    with caplog.at_level("WARNING"):
+        assert detect_task(load_file(write_rows(tmp_path / "c.csv", rows)), "label").problem_type == REGRESSION
+    assert "holds whole numbers written as floats (0.0, 1.0): trained as regression" in caplog.text
+
+
 def test_a_head_trained_on_these_labels_keeps_its_order(tmp_path, tiny_model):
     """A checkpoint fine-tuned on the same labels in another order (roberta-large-mnli's CONTRADICTION, NEUTRAL,
     ENTAILMENT for GLUE's entailment, neutral, contradiction) keeps its head, of the right size, as it is: the label
