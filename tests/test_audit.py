@@ -188,8 +188,9 @@ def test_trust_remote_code_reaches_every_from_pretrained(tiny_model, data, tmp_p
         monkeypatch.setattr(loader, "from_pretrained", recording)
     flag = ["--trust_remote_code"] if trusted else []
     run_train(train_args(tiny_model, *data, tmp_path / "out", "--max_train_steps", "1", *flag))
-    # The config is read twice: by AutoTokenizer (to find the tokenizer's class, passing the flag on) and for the model.
-    expected = {"AutoTokenizer": [trusted], "AutoConfig": [trusted, trusted],
+    # The config is read three times: for the order of the labels of the checkpoint's head, by AutoTokenizer (to find
+    # the tokenizer's class, passing the flag on) and for the model.
+    expected = {"AutoTokenizer": [trusted], "AutoConfig": [trusted] * 3,
                 "AutoModelForSequenceClassification": [trusted]}  # fmt: skip
     assert seen == expected
 
