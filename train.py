@@ -206,7 +206,7 @@ def main(args):
     accelerator.register_for_checkpointing(lr_scheduler)  # stepped once per update by the loop, saved with the state
 
     record = run_record(args, plan, task, hub_target)
-    state = start_or_resume(args, accelerator, resume_path, record, len(train_dataloader))
+    state, folder_lock = start_or_resume(args, accelerator, resume_path, record, len(train_dataloader))
     logger.info("***** Running training *****")
     lora = f" with LoRA (r={args.lora_r}, {args.lora_target_modules})" if args.use_peft else ""
     model_name = args.model_name_or_path or f"a new {args.config_name or args.model_type} with random weights"
@@ -226,8 +226,9 @@ def main(args):
     logger.info(f"  Total optimization steps = {plan.max_train_steps}{resuming}")
     logger.info(f"  Outputs = {args.output_dir.resolve()}")
 
-    # Signals are turned into a checkpoint from here on; a signal during the final save waits for it to end.
-    with StopSignals() as stop_signals:
+    # Signals are turned into a checkpoint from here on; a signal during the final save waits for it to end. The lock
+    # on --output_dir is let go with the final save (a notebook's next run may use the folder).
+    with folder_lock, StopSignals() as stop_signals:
         run = Run(args, plan, record, accelerator, task, model, optimizer, lr_scheduler, train_dataloader,
                   eval_dataloaders.pop("validation"), state, stop_signals)  # fmt: skip
         stop_status = train_loop(run)
@@ -261,16 +262,17 @@ def main(args):
     return results
 
 
-def start_or_resume(args, accelerator, resume_path, record: dict, batches_per_epoch: int) -> TrainState:
-    """The loop's position (restored from a checkpoint, or a fresh start), with the run's files set up."""
-    with errors_reach_every_rank(accelerator):
-        if is_checkpoint_writer(accelerator, args.save_on_each_node):
-            lock_output_dir(args.output_dir)  # before anything is written: no second run may write there meanwhile
+def start_or_resume(args, accelerator, resume_path, record: dict, batches_per_epoch: int):
+    """The loop's position (restored from a checkpoint, or a fresh start), with the run's files set up, and the lock on
+    --output_dir that the run holds while it writes there."""
     state = TrainState(num_processes=accelerator.num_processes)
     if resume_path:
         state = load_checkpoint(accelerator, resume_path, record)
         if state.batches_in_epoch >= batches_per_epoch:
             state.epoch, state.batches_in_epoch = state.epoch + 1, 0
+    with errors_reach_every_rank(accelerator):  # before anything is written: no second run may write there meanwhile
+        writer = is_checkpoint_writer(accelerator, args.save_on_each_node)
+        folder_lock = lock_output_dir(args.output_dir, args.save_on_each_node) if writer else nullcontext()
     # Trackers first: one that cannot start (say, wandb without an API key) stops the run before an old one is removed.
     hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in record.items()}
     accelerator.init_trackers(tracker_run_name(args.report_to, args.output_dir), hparams)
@@ -283,7 +285,7 @@ def start_or_resume(args, accelerator, resume_path, record: dict, batches_per_ep
         write_json(args.output_dir / "args.json", record)
         # A resumed run drops what the interrupted one logged after its checkpoint; a new run starts afresh.
         keep_records_up_to(args.output_dir / "metrics.jsonl", state.global_step)
-    return state
+    return state, folder_lock
 
 
 def train_loop(run: Run) -> int | None:

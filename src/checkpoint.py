@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import socket
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -24,7 +25,6 @@ STATE_FILE = "training_state.json"
 PREFIX = "checkpoint-"
 RESULTS_FILE = "all_results.json"
 LOCK_FILE = ".lock"  # held by the run writing into the folder: see lock_output_dir
-_held_lock = []  # the lock file of this process's run, held until the process exits or starts another run
 
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
@@ -64,31 +64,32 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool):
         )
 
 
-def lock_output_dir(output_dir: Path):
-    """Hold the folder for this run until the process exits: a second run started into it (a duplicate job, or a
-    requeued one while the old one's ranks still save) would mix its files with this one's. An advisory lock on
-    LOCK_FILE, which the system lets go of when the process ends, however it ends."""
-    while _held_lock:  # an earlier run in this process (a notebook, the tests) has ended: one run at a time
-        _held_lock.pop().close()
+def lock_output_dir(output_dir: Path, save_on_each_node: bool = False):
+    """The folder's lock, for the run to hold (`with`) while it writes there: a second run started into it (a duplicate
+    job, or a requeued one while the old one still saves) would mix its files with this one's. An advisory lock on
+    LOCK_FILE, which the system also lets go of when the process ends, however it ends."""
     Path(output_dir).mkdir(parents=True, exist_ok=True)
-    file = open(Path(output_dir) / LOCK_FILE, "a+")  # noqa: SIM115 (open until the process exits)
+    file = open(Path(output_dir) / LOCK_FILE, "a+")  # noqa: SIM115 (held by the caller's `with`)
     try:
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         file.seek(0)
         holder = file.read().strip() or "another process"
         file.close()
+        hint = ("; with --save_on_each_node the nodes must not share it (another node of this run may hold it)"
+                if save_on_each_node else "")  # fmt: skip
         raise UserError(f"--output_dir {output_dir} is in use by another run ({holder}): wait for it to end, or "
-                        "choose another --output_dir") from None  # fmt: skip
+                        f"choose another --output_dir; if that process is gone (its machine failed), delete "
+                        f"{Path(output_dir) / LOCK_FILE}{hint}") from None  # fmt: skip
     except OSError as err:  # a file system without locks (some network ones): the run goes on unguarded
         file.close()
         logger.warning(f"--output_dir {output_dir} cannot be locked ({err.strerror}): make sure no other run writes "
                        "into it")  # fmt: skip
-        return
+        return nullcontext()
     file.truncate(0)
     file.write(f"train.py, pid {os.getpid()} on {socket.gethostname()}\n")
     file.flush()
-    _held_lock.append(file)
+    return file
 
 
 def remove_checkpoints(output_dir: Path, only_incomplete: bool = False):

@@ -23,6 +23,11 @@ def run_main(*argv):
     return train.main(train.parse_train_args(list(argv)))
 
 
+def run_files(out) -> dict:
+    """The run's files and when each was last written; not the lock file, which the next run into the folder takes."""
+    return {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+
+
 @pytest.mark.parametrize("limit", [1, 2])
 def test_rotation_keeps_the_newest_and_the_best(tiny_model, data, tmp_path, limit):
     """Trainer's rule: the best checkpoint is kept on top of the newest --save_total_limit ones, so a limit of 1
@@ -45,11 +50,10 @@ def test_rotation_keeps_the_newest_and_the_best(tiny_model, data, tmp_path, limi
 def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkeypatch):
     out = tmp_path / "out"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "epoch"))
-    # The run's files; the lock file is the running run's (rewritten by the run that stops at the tracker below).
-    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    before = run_files(out)
     with pytest.raises(train.UserError, match="--overwrite_output_dir.*|--resume_from_checkpoint latest"):
         run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1"))
-    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}, "untouched"
+    assert before == run_files(out), "nothing touched"
 
     # A tracker that cannot start (wandb without an API key, say) stops the run before the old one is removed.
     def refuse(*args, **kwargs):
@@ -59,7 +63,7 @@ def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkey
         patch.setattr(train.Accelerator, "init_trackers", refuse)
         with pytest.raises(RuntimeError, match="tracker refused"):
             run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--overwrite_output_dir"))
-    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}, "untouched"
+    assert before == run_files(out), "nothing touched"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--overwrite_output_dir"))
     assert not list(out.glob("checkpoint-*")), "the old run's checkpoints went with it"
     # Overwritten by a run that stops before its end: the old run's results (its mark of being done) go too.
@@ -182,11 +186,9 @@ def test_a_second_run_into_a_folder_in_use_is_refused_until_the_first_ends(tiny_
     from conftest import REPO
 
     out = tmp_path / "out"
-    hold = (
-        f"from src.checkpoint import lock_output_dir; lock_output_dir({str(out)!r}); print('held', flush=True); input()"
-    )
-    first = subprocess.Popen([sys.executable, "-c", hold], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)  # fmt: skip
+    hold = f"from src.checkpoint import lock_output_dir; lock = lock_output_dir({str(out)!r}); print('held'); input()"
+    first = subprocess.Popen([sys.executable, "-u", "-c", hold], cwd=REPO, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert first.stdout.readline() == "held\n"
         with pytest.raises(train.UserError, match=rf"--output_dir {out} is in use by another run \(train.py, pid "):
@@ -195,4 +197,10 @@ def test_a_second_run_into_a_folder_in_use_is_refused_until_the_first_ends(tiny_
     finally:
         first.kill()
         first.wait()
-    run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1"))
+    # A run that ends, also with an error, lets go of the folder in a process that goes on (a notebook's kernel, whose
+    # last traceback keeps the run's objects alive): another process may resume it.
+    with pytest.raises(train.UserError, match="NaN or infinite") as failed:
+        run_main(*train_args(tiny_model, *data, out, "--learning_rate", "1e30", "--max_grad_norm", "0"))
+    again = subprocess.run([sys.executable, "-c", hold.replace("input()", "")], cwd=REPO, capture_output=True)
+    assert again.returncode == 0, again.stderr[-500:]
+    assert failed.traceback, "the failed run's frames were still alive"
