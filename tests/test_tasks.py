@@ -171,6 +171,25 @@ def test_a_head_trained_on_these_labels_keeps_its_order(tmp_path, tiny_model):
     assert results["POSITIVE"]["eval_loss"] == pytest.approx(results["negative"]["eval_loss"], rel=1e-5)
 
 
+def test_a_head_trained_on_other_labels_is_said_and_a_folder_without_a_model_has_no_head(tmp_path, tiny_model, caplog):
+    """A head of the same size for other labels is kept, and reused in the data's order: said. A folder of a tokenizer
+    alone (a task of one's own builds its model itself) has no head whose order to follow."""
+    from accelerate import PartialState
+    from transformers import BertConfig
+
+    from src.model import in_checkpoint_order
+
+    BertConfig(id2label={0: "spam", 1: "ham"}).save_pretrained(tmp_path / "other")
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path / "tokenizer")
+    PartialState(cpu=True)  # accelerate's logger, which says it on the main process only
+    with caplog.at_level("WARNING"):
+        other = SimpleNamespace(model_name_or_path=str(tmp_path / "other"), trust_remote_code=False)
+        assert in_checkpoint_order(other, ("negative", "positive")) == ("negative", "positive")
+    assert "head was trained on other labels (spam, ham); it is kept and its rows now stand for" in caplog.text
+    tokenizer_only = SimpleNamespace(model_name_or_path=str(tmp_path / "tokenizer"), trust_remote_code=False)
+    assert in_checkpoint_order(tokenizer_only, ("b", "a")) == ("b", "a")
+
+
 def test_string_labels_in_a_column_named_labels_become_class_ids(tmp_path, tiny_model):
     """datasets types an output column like the input column of the same name: a CSV's `labels` of class names
     would come back as the ids written as strings, which no collator can batch."""
