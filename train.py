@@ -445,11 +445,12 @@ def early_stop_reason(run: Run) -> str | None:
 
 def check_finite(run: Run):
     if run.window.nonfinite_losses(run.accelerator):
+        newest = newest_checkpoint(run.args.output_dir) or "none"
+        clipping = f", or resume with clipping on: --max_grad_norm 1 --resume_from_checkpoint latest (newest: {newest})"
         raise UserError(
             f"the loss became NaN or infinite by step {run.state.global_step} (epoch {run.state.epoch}); nothing was "
-            "saved since. Start again with a lower --learning_rate (a resume keeps the optimizer's), or resume with "
-            "--max_grad_norm 1.0 if clipping was off: --resume_from_checkpoint latest (newest checkpoint: "
-            f"{newest_checkpoint(run.args.output_dir) or 'none'})"
+            "saved since. Start again with a lower --learning_rate (a resume keeps the optimizer's)"
+            + ("" if run.args.max_grad_norm else clipping)
         )
 
 

@@ -167,7 +167,7 @@ SAME_ON_RESUME = (
     "seed",
     "group_by_length",
     "train_file_sha256",  # the data, by its contents (src/record.py)
-    "validation_file_sha256",
+    "validation_held_out",
     "dataset_name",
     "dataset_config_name",
     "task_name",
@@ -185,13 +185,24 @@ SAME_ON_RESUME = (
     "lora_alpha",
     "lora_dropout",
     "lora_target_modules",
-    # The optimizer's and the schedule's: their states come from the checkpoint, so other values would be ignored.
+    # The optimizer's settings, which its state from the checkpoint would override without a word, and the schedule's
+    # shape, which would change mid-run. A longer run (--num_train_epochs, --max_train_steps) may resume.
     "learning_rate",
     "weight_decay",
     "lr_scheduler_type",
     "warmup_ratio",
     "num_warmup_steps",
 )
+
+
+def _change(key: str, then, now) -> str:
+    """A setting of SAME_ON_RESUME that differs, in the user's words: the flag, or what of it the record holds."""
+    if key == "validation_held_out":
+        return f"--validation_file: {'none' if then else 'one'} then, {'none' if now else 'one'} now"
+    if key.endswith("_sha256"):
+        return {"train_file_sha256": "--train_file's contents", "chat_template_sha256": "--chat_template_path's text"
+                }.get(key, key) + " changed"  # fmt: skip
+    return f"--{key} {then} -> {now}"
 
 
 def read_checkpoint_args(path: Path) -> dict:
@@ -211,7 +222,9 @@ def load_checkpoint(accelerator, path: Path, record: dict) -> TrainState:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"checkpoint {path}: {STATE_FILE} is unreadable or incomplete ({err}); use another") from err
     saved = saved_state.get("args", {})
-    changed = [f"--{key} {saved[key]} -> {record.get(key)}" for key in SAME_ON_RESUME
+    # Checkpoints of earlier versions name the training file by its path only.
+    compared = SAME_ON_RESUME + (() if "train_file_sha256" in saved else ("train_file",))
+    changed = [_change(key, saved[key], record.get(key)) for key in compared
                if key in saved and str(saved[key]) != str(record.get(key))]  # fmt: skip
     if changed:
         raise UserError(

@@ -16,10 +16,10 @@ DEFAULT_TASK = "sequence-classification"  # what folders written before tasks we
 def run_record(args, plan, task, hub_target=None) -> dict:
     record = {key: value for key, value in vars(args).items() if key != "hub_token"}
     record |= plan.as_dict() | task.record() | {"task": task_spec(task)}
-    # The data files by their contents, which a resume compares: a copy of them elsewhere (a job's scratch folder)
-    # resumes; a changed file, or a validation file dropped (its rows would be held out of the training data), not.
-    for flag in ("train_file", "validation_file"):
-        record[f"{flag}_sha256"] = file_sha256(getattr(args, flag)) if getattr(args, flag, None) else None
+    # What a resume compares of the data (src/checkpoint.py): the training file by its contents, so that a copy of it
+    # elsewhere (a job's scratch folder) resumes, and whether validation rows are held out of it (no validation file).
+    record["train_file_sha256"] = file_sha256(args.train_file) if args.train_file else None
+    record["validation_held_out"] = bool(args.train_file and not args.validation_file)
     if hub_target is not None:
         record["hub_model_id"] = hub_target.repo_id  # resolved to owner/name
     return {key: str(value) if isinstance(value, Path) else value for key, value in record.items()}
