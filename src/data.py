@@ -54,8 +54,8 @@ def load_file(path: Path, keep_linebreaks: bool = True) -> Dataset:
         while cause is not None and not isinstance(cause, UnicodeDecodeError):
             cause = cause.__cause__ or cause.__context__
         if cause is not None:
-            raise UserError(f"{path}: not UTF-8 text (byte {cause.object[cause.start]:#04x} at offset {cause.start} of "
-                            "a block); save it as UTF-8") from err  # fmt: skip
+            raise UserError(f"{path}: not UTF-8 text (it holds the byte {cause.object[cause.start]:#04x}); save it as "
+                            "UTF-8") from err  # fmt: skip
         raise UserError(f"{path}: cannot be read as {path.suffix[1:]}: {' '.join(str(err).split())[:300]}") from err
     if len(dataset) == 0:
         raise UserError(f"{path}: the file has no rows")

@@ -418,5 +418,8 @@ def save_model(
             base.config.save_pretrained(adapter_dir)
         if merge_lora:
             backbone_dtype = next(base.base_model.parameters()).dtype  # the frozen weights' (bf16, or fp32)
-            merged = load_adapter_folder(auto_class, adapter_dir, backbone_dtype, None, trust_remote_code, new_head)
+            # The trained config's pad token too, which a folder without a config (a causal LM's) does not hold.
+            pad_token_id = base.config.pad_token_id
+            merged = load_adapter_folder(auto_class, adapter_dir, backbone_dtype, pad_token_id, trust_remote_code,
+                                         new_head)  # fmt: skip
             merged.merge_and_unload().save_pretrained(output_dir)

@@ -257,6 +257,21 @@ def test_the_model_card_shows_how_to_generate_and_that_runs(tmp_path, tiny_decod
     assert printed.startswith("[CLS] [UNK] [SEP]") and len(printed.split()) > 3, printed
 
 
+def test_a_merged_lora_causal_lm_keeps_the_pad_token_of_its_training(tmp_path, tiny_decoders):
+    """The adapter folder of a causal LM holds no config, and the base's has no pad token (Llama's has none): the
+    merged model's config takes the one training used, as the merged classifiers' do."""
+    from transformers import AutoConfig
+
+    rows = [{"prompt": "the plot was", "completion": "good"}] * 8
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flags = ["--max_length", "16", "--use_peft", "--merge_lora", "--max_train_steps", "1"]
+    run_in_process("train", train_args(tiny_decoders["llama"], train, train, tmp_path / "out", *flags))
+    assert AutoConfig.from_pretrained(tiny_decoders["llama"]).pad_token_id is None
+    merged = AutoConfig.from_pretrained(tmp_path / "out")
+    assert merged.pad_token_id is not None and merged.pad_token_id == load_tokenizer(str(tmp_path / "out")).pad_token_id
+
+
 def test_a_global_batch_gives_the_same_update_however_it_is_split(tiny_decoders, tmp_path):
     """Completions of very different lengths: 1 batch of 8, 2 accumulated batches of 4, and batches of 4 on 2 ranks
     (with gradient checkpointing and the batch-size probe, which must not change the update) give the same weights

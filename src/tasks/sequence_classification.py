@@ -57,8 +57,9 @@ class SequenceClassification(Task):
 
     @classmethod
     def from_data(cls, args, train: Dataset) -> "SequenceClassification":
-        """Classification for integer, string or ClassLabel labels (names in sorted order), multi-label for lists
-        of them, regression for floats. `--class_weights balanced` weighs the loss by inverse label frequencies."""
+        """Classification for integer, string or ClassLabel labels (names sorted, or in the order of a checkpoint's
+        head trained on them), multi-label for lists of them, regression for floats. `--class_weights balanced`
+        weighs the loss by inverse label frequencies."""
         from src.model import in_checkpoint_order
 
         columns = detect_columns(train.column_names, args.text_column, args.text_pair_column, args.label_column)
