@@ -119,7 +119,8 @@ def test_the_token_comes_from_hf_token_or_the_login_cache(fake_hub, monkeypatch,
 
 
 def test_without_push_to_hub_the_token_is_dropped_and_the_hub_untouched(fake_hub, tmp_path, one_process):
-    args = SimpleNamespace(hub_token=SECRET, push_to_hub=False, hub_model_id=None, output_dir=tmp_path)
+    args = SimpleNamespace(hub_token=SECRET, push_to_hub=False, hub_model_id=None, output_dir=tmp_path,
+                           train_file=None, validation_file=None)  # fmt: skip
     assert check_hub_access(args, one_process) is None and not fake_hub.calls
     plan = Plan("no", "asked for", 1, 5e-5, 8, 1, 8, 64, "accuracy", True, 10, 1, 8)
     record = run_record(args, plan, BINARY)
