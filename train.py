@@ -28,9 +28,9 @@ from src.batch_size import fit_batch_sizes
 from src.checkpoint import (
     RESULTS_FILE,
     check_output_dir,
+    holding_output_dir,
     is_checkpoint_writer,
     load_checkpoint,
-    lock_output_dir,
     newest_checkpoint,
     read_checkpoint_args,
     remove_checkpoints,
@@ -206,55 +206,60 @@ def main(args):
     accelerator.register_for_checkpointing(lr_scheduler)  # stepped once per update by the loop, saved with the state
 
     record = run_record(args, plan, task, hub_target)
-    state, folder_lock = start_or_resume(args, accelerator, resume_path, record, len(train_dataloader))
-    logger.info("***** Running training *****")
-    lora = f" with LoRA (r={args.lora_r}, {args.lora_target_modules})" if args.use_peft else ""
-    model_name = args.model_name_or_path or f"a new {args.config_name or args.model_type} with random weights"
-    logger.info(f"  Model = {model_name}{lora}, {task.describe()}")
-    share = f"{100 * trainable_parameters / total_parameters:.2f}%"
-    logger.info(f"  Parameters = {total_parameters:,}, trainable {trainable_parameters:,} ({share})")
-    logger.info(f"  Num examples = {len(splits['train'])} train, {len(splits['validation'])} validation")
-    logger.info(
-        f"  Processes = {accelerator.num_processes} on {accelerator.device.type} "
-        f"({accelerator.distributed_type.value}), {cpu_threads} CPU threads per process, "
-        f"mixed precision = {plan.mixed_precision} ({precision_reason})"
-    )
-    logger.info(f"  Instantaneous batch size per device = {plan.per_device_train_batch_size}")
-    logger.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {plan.total_train_batch_size}")
-    logger.info(f"  Gradient accumulation steps = {plan.gradient_accumulation_steps}, num epochs = {plan.num_epochs}")
-    resuming = f", resuming from {resume_path} at step {state.global_step}" if resume_path else ""
-    logger.info(f"  Total optimization steps = {plan.max_train_steps}{resuming}")
-    logger.info(f"  Outputs = {args.output_dir.resolve()}")
+    # The run holds --output_dir from here until it returns: a second run started into it is refused.
+    with holding_output_dir(accelerator, args.output_dir, args.save_on_each_node):
+        state = start_or_resume(args, accelerator, resume_path, record, len(train_dataloader))
+        logger.info("***** Running training *****")
+        lora = f" with LoRA (r={args.lora_r}, {args.lora_target_modules})" if args.use_peft else ""
+        model_name = args.model_name_or_path or f"a new {args.config_name or args.model_type} with random weights"
+        logger.info(f"  Model = {model_name}{lora}, {task.describe()}")
+        share = f"{100 * trainable_parameters / total_parameters:.2f}%"
+        logger.info(f"  Parameters = {total_parameters:,}, trainable {trainable_parameters:,} ({share})")
+        logger.info(f"  Num examples = {len(splits['train'])} train, {len(splits['validation'])} validation")
+        logger.info(
+            f"  Processes = {accelerator.num_processes} on {accelerator.device.type} "
+            f"({accelerator.distributed_type.value}), {cpu_threads} CPU threads per process, "
+            f"mixed precision = {plan.mixed_precision} ({precision_reason})"
+        )
+        logger.info(f"  Instantaneous batch size per device = {plan.per_device_train_batch_size}")
+        logger.info(
+            f"  Total train batch size (w. parallel, distributed & accumulation) = {plan.total_train_batch_size}"
+        )
+        logger.info(
+            f"  Gradient accumulation steps = {plan.gradient_accumulation_steps}, num epochs = {plan.num_epochs}"
+        )
+        resuming = f", resuming from {resume_path} at step {state.global_step}" if resume_path else ""
+        logger.info(f"  Total optimization steps = {plan.max_train_steps}{resuming}")
+        logger.info(f"  Outputs = {args.output_dir.resolve()}")
 
-    # Signals are turned into a checkpoint from here on; a signal during the final save waits for it to end. The lock
-    # on --output_dir is let go with the final save (a notebook's next run may use the folder).
-    with folder_lock, StopSignals() as stop_signals:
-        run = Run(args, plan, record, accelerator, task, model, optimizer, lr_scheduler, train_dataloader,
-                  eval_dataloaders.pop("validation"), state, stop_signals)  # fmt: skip
-        stop_status = train_loop(run)
-        if stop_status is None:
-            throughput = finish_training(run)
-            eval_metrics = run.eval_metrics | evaluate_more(model, eval_dataloaders, accelerator, task)  # MNLI's mm
-            results = {
-                **eval_metrics,
-                **{name: eval_metrics[f"eval_{name}"] for name in task.top_level_metrics},
-                **throughput,
-                "num_processes": accelerator.num_processes,
-                "cpu_threads_per_process": cpu_threads,
-                "total_train_batch_size": plan.total_train_batch_size,
-                "global_step": state.global_step,
-                "trainable_parameters": trainable_parameters,
-                "total_parameters": total_parameters,
-            }
-            save_final(run, tokenizer, results)
-    # DDP's reducer holds the process group. Freed after end_training() destroyed the group, it tears gloo down
-    # while holding the GIL, which can deadlock with gloo's worker thread (seen: a finished rank that never exited).
-    del model, run
-    accelerator.free_memory()
-    accelerator.end_training()
-    if stop_status is not None:
-        raise SystemExit(stop_status)  # stopped by a signal or --max_time, with a checkpoint to resume from
-    push_to_hub(args, accelerator, hub_target)  # outside StopSignals: Ctrl-C may interrupt a slow upload
+        # Signals are turned into a checkpoint from here on; a signal during the final save waits for it to end.
+        with StopSignals() as stop_signals:
+            run = Run(args, plan, record, accelerator, task, model, optimizer, lr_scheduler, train_dataloader,
+                      eval_dataloaders.pop("validation"), state, stop_signals)  # fmt: skip
+            stop_status = train_loop(run)
+            if stop_status is None:
+                throughput = finish_training(run)
+                eval_metrics = run.eval_metrics | evaluate_more(model, eval_dataloaders, accelerator, task)  # MNLI's mm
+                results = {
+                    **eval_metrics,
+                    **{name: eval_metrics[f"eval_{name}"] for name in task.top_level_metrics},
+                    **throughput,
+                    "num_processes": accelerator.num_processes,
+                    "cpu_threads_per_process": cpu_threads,
+                    "total_train_batch_size": plan.total_train_batch_size,
+                    "global_step": state.global_step,
+                    "trainable_parameters": trainable_parameters,
+                    "total_parameters": total_parameters,
+                }
+                save_final(run, tokenizer, results)
+        # DDP's reducer holds the process group. Freed after end_training() destroyed the group, it tears gloo down
+        # while holding the GIL, which can deadlock with gloo's worker thread (seen: a finished rank that never exited).
+        del model, run
+        accelerator.free_memory()
+        accelerator.end_training()
+        if stop_status is not None:
+            raise SystemExit(stop_status)  # stopped by a signal or --max_time, with a checkpoint to resume from
+        push_to_hub(args, accelerator, hub_target)  # outside StopSignals: Ctrl-C may interrupt a slow upload
     summary = ", ".join(f"{k} = {v:.4f}" for k, v in eval_metrics.items() if k != "eval_samples")
     logger.info(f"Done in {results['train_runtime']:.0f}s: {summary}")
     written = "Model, model card (README.md), all_results.json, metrics.jsonl and training_curves.png"
@@ -262,17 +267,13 @@ def main(args):
     return results
 
 
-def start_or_resume(args, accelerator, resume_path, record: dict, batches_per_epoch: int):
-    """The loop's position (restored from a checkpoint, or a fresh start), with the run's files set up, and the lock on
-    --output_dir that the run holds while it writes there."""
+def start_or_resume(args, accelerator, resume_path, record: dict, batches_per_epoch: int) -> TrainState:
+    """The loop's position (restored from a checkpoint, or a fresh start), with the run's files set up."""
     state = TrainState(num_processes=accelerator.num_processes)
     if resume_path:
         state = load_checkpoint(accelerator, resume_path, record)
         if state.batches_in_epoch >= batches_per_epoch:
             state.epoch, state.batches_in_epoch = state.epoch + 1, 0
-    with errors_reach_every_rank(accelerator):  # before anything is written: no second run may write there meanwhile
-        writer = is_checkpoint_writer(accelerator, args.save_on_each_node)
-        folder_lock = lock_output_dir(args.output_dir, args.save_on_each_node) if writer else nullcontext()
     # Trackers first: one that cannot start (say, wandb without an API key) stops the run before an old one is removed.
     hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in record.items()}
     accelerator.init_trackers(tracker_run_name(args.report_to, args.output_dir), hparams)
@@ -285,7 +286,7 @@ def start_or_resume(args, accelerator, resume_path, record: dict, batches_per_ep
         write_json(args.output_dir / "args.json", record)
         # A resumed run drops what the interrupted one logged after its checkpoint; a new run starts afresh.
         keep_records_up_to(args.output_dir / "metrics.jsonl", state.global_step)
-    return state, folder_lock
+    return state
 
 
 def train_loop(run: Run) -> int | None:
@@ -445,13 +446,13 @@ def early_stop_reason(run: Run) -> str | None:
 
 def check_finite(run: Run):
     if run.window.nonfinite_losses(run.accelerator):
-        newest = newest_checkpoint(run.args.output_dir) or "none"
-        clipping = f", or resume with clipping on: --max_grad_norm 1 --resume_from_checkpoint latest (newest: {newest})"
-        raise UserError(
-            f"the loss became NaN or infinite by step {run.state.global_step} (epoch {run.state.epoch}); nothing was "
-            "saved since. Start again with a lower --learning_rate (a resume keeps the optimizer's)"
-            + ("" if run.args.max_grad_norm else clipping)
-        )
+        advice = "start again with a lower --learning_rate (a resume keeps the optimizer's settings)"
+        if not run.args.max_grad_norm:
+            newest = newest_checkpoint(run.args.output_dir)
+            resume = f": --resume_from_checkpoint latest continues from {newest}" if newest else ""
+            advice += f", or with gradient clipping on (--max_grad_norm 1){resume}"
+        raise UserError(f"the loss became NaN or infinite by step {run.state.global_step} (epoch {run.state.epoch}); "
+                        f"nothing was saved since: {advice}")  # fmt: skip
 
 
 def add_epoch_loss(run: Run):

@@ -743,8 +743,9 @@ def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> arg
         args.eval_steps = 10
     if args.dataset_name and args.train_file:
         parser.error("give either --dataset_name or --train_file, not both")
-    if args.validation_file and not (args.train_file or args.dataset_name):
-        parser.error("--validation_file needs --train_file (or --dataset_name) to train on")
+    if args.validation_file and not args.train_file:  # --dataset_name's validation is its own split
+        parser.error("--validation_file goes with --train_file; --dataset_name's validation split is its own (or "
+                     "--validation_split_percentage of its rows)")  # fmt: skip
     if args.dataset_config_name and not args.dataset_name:
         parser.error("--dataset_config_name needs --dataset_name")
     if not 0 < args.validation_split_percentage < 100:

@@ -9,14 +9,14 @@ import json
 import os
 import shutil
 import socket
-from contextlib import nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from accelerate.logging import get_logger
 from accelerate.utils import RNG_STATE_NAME, load
 
-from src.errors import UserError
+from src.errors import UserError, errors_reach_every_rank
 from src.state import TrainState
 
 logger = get_logger(__name__)
@@ -64,12 +64,26 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool):
         )
 
 
-def lock_output_dir(output_dir: Path, save_on_each_node: bool = False):
-    """The folder's lock, for the run to hold (`with`) while it writes there: a second run started into it (a duplicate
-    job, or a requeued one while the old one still saves) would mix its files with this one's. An advisory lock on
-    LOCK_FILE, which the system also lets go of when the process ends, however it ends."""
+@contextmanager
+def holding_output_dir(accelerator, output_dir: Path, save_on_each_node: bool = False):
+    """While the run is in this block, no other may write into `output_dir`: a second run started into it (a duplicate
+    job, or a requeued one while the old one still saves) would mix its files with this one's, and is refused. An
+    advisory lock on LOCK_FILE, taken by the processes that write checkpoints, which the system also lets go of when
+    the process ends, however it ends."""
+    with errors_reach_every_rank(accelerator):  # a refusal stops every rank
+        lock = _lock(output_dir, save_on_each_node) if is_checkpoint_writer(accelerator, save_on_each_node) else None
+    try:
+        yield
+    finally:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_UN)  # forked DataLoader workers share the open file: closing would not do
+            lock.close()
+
+
+def _lock(output_dir: Path, save_on_each_node: bool):
+    """LOCK_FILE, open and locked, naming this process; None on a file system without locks."""
     Path(output_dir).mkdir(parents=True, exist_ok=True)
-    file = open(Path(output_dir) / LOCK_FILE, "a+")  # noqa: SIM115 (held by the caller's `with`)
+    file = open(Path(output_dir) / LOCK_FILE, "a+")  # noqa: SIM115 (closed by holding_output_dir)
     try:
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -85,7 +99,7 @@ def lock_output_dir(output_dir: Path, save_on_each_node: bool = False):
         file.close()
         logger.warning(f"--output_dir {output_dir} cannot be locked ({err.strerror}): make sure no other run writes "
                        "into it")  # fmt: skip
-        return nullcontext()
+        return None
     file.truncate(0)
     file.write(f"train.py, pid {os.getpid()} on {socket.gethostname()}\n")
     file.flush()
@@ -197,12 +211,16 @@ SAME_ON_RESUME = (
 
 def _change(key: str, then, now) -> str:
     """A setting of SAME_ON_RESUME that differs, in the user's words: the flag, or what of it the record holds."""
-    if key == "validation_held_out":
-        return f"--validation_file: {'none' if then else 'one'} then, {'none' if now else 'one'} now"
-    if key.endswith("_sha256"):
-        return {"train_file_sha256": "--train_file's contents", "chat_template_sha256": "--chat_template_path's text"
-                }.get(key, key) + " changed"  # fmt: skip
-    return f"--{key} {then} -> {now}"
+    flag = {"train_file_sha256": "--train_file", "chat_template_sha256": "--chat_template_path",
+            "validation_held_out": "--validation_file"}.get(key)  # fmt: skip
+    if flag is None:
+        earlier = " (a checkpoint of an earlier version: compared by path)" if key == "train_file" else ""
+        return f"--{key} {then} -> {now}{earlier}"
+    if key == "validation_held_out":  # rows held out of the training file: no validation file given
+        then, now = not then, not now
+    if key.endswith("_sha256") and then and now:
+        return f"{flag}: other contents"
+    return f"{flag}: {'one' if then else 'none'} then, {'one' if now else 'none'} now"
 
 
 def read_checkpoint_args(path: Path) -> dict:
@@ -221,8 +239,10 @@ def load_checkpoint(accelerator, path: Path, record: dict) -> TrainState:
         state = TrainState.from_dict(saved_state)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"checkpoint {path}: {STATE_FILE} is unreadable or incomplete ({err}); use another") from err
-    saved = saved_state.get("args", {})
-    # Checkpoints of earlier versions name the training file by its path only.
+    saved = dict(saved_state.get("args", {}))
+    # Checkpoints of earlier versions name the training file by its path only, and whether validation rows were held
+    # out of it by their flags.
+    saved.setdefault("validation_held_out", bool(saved.get("train_file") and not saved.get("validation_file")))
     compared = SAME_ON_RESUME + (() if "train_file_sha256" in saved else ("train_file",))
     changed = [_change(key, saved[key], record.get(key)) for key in compared
                if key in saved and str(saved[key]) != str(record.get(key))]  # fmt: skip

@@ -103,7 +103,9 @@ def in_checkpoint_order(args, names: tuple[str, ...]) -> tuple[str, ...]:
         return names
     try:
         config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError):  # no model (a task of one's own may read only a tokenizer there): no head to follow
+    # No model there (a task of one's own may read only a tokenizer), or one that build_model cannot load either and
+    # names in its own error (remote code without --trust_remote_code): no head to follow.
+    except (OSError, ValueError):
         return names
     theirs = [config.id2label[i] for i in sorted(config.id2label)]
     ours = {name.lower(): name for name in names}

@@ -186,7 +186,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_until_the_first_ends(tiny_
     from conftest import REPO
 
     out = tmp_path / "out"
-    hold = f"from src.checkpoint import lock_output_dir; lock = lock_output_dir({str(out)!r}); print('held'); input()"
+    hold = f"from src.checkpoint import _lock; lock = _lock({str(out)!r}, False); print('held'); input()"
     first = subprocess.Popen([sys.executable, "-u", "-c", hold], cwd=REPO, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
@@ -198,9 +198,10 @@ def test_a_second_run_into_a_folder_in_use_is_refused_until_the_first_ends(tiny_
         first.kill()
         first.wait()
     # A run that ends, also with an error, lets go of the folder in a process that goes on (a notebook's kernel, whose
-    # last traceback keeps the run's objects alive): another process may resume it.
+    # last traceback keeps the run's objects alive, its DataLoader's forked workers too): another process may resume.
+    diverging = ["--learning_rate", "1e30", "--max_grad_norm", "0", "--dataloader_num_workers", "1"]
     with pytest.raises(train.UserError, match="NaN or infinite") as failed:
-        run_main(*train_args(tiny_model, *data, out, "--learning_rate", "1e30", "--max_grad_norm", "0"))
+        run_main(*train_args(tiny_model, *data, out, *diverging))
     again = subprocess.run([sys.executable, "-c", hold.replace("input()", "")], cwd=REPO, capture_output=True)
     assert again.returncode == 0, again.stderr[-500:]
     assert failed.traceback, "the failed run's frames were still alive"

@@ -160,15 +160,18 @@ def test_resume_with_other_batching_settings_is_refused(tmp_path, tiny_model, ti
         train.main(train.parse_train_args(no_dev))
     train_copy.write_text(train_copy.read_text().replace("negative", "positive", 1))
     changed_data = train_args(tiny_model, train_copy, dev_copy, out, "--resume_from_checkpoint", "latest")
-    with pytest.raises(train.UserError, match=r"other settings \(--train_file's contents changed\)"):
+    with pytest.raises(train.UserError, match=r"other settings \(--train_file: other contents\)"):
         train.main(train.parse_train_args(changed_data))
     # A checkpoint of an earlier version holds the training file's path only: that is compared.
     state_file = max(out.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1])) / "training_state.json"
     state = json.loads(state_file.read_text())
     del state["args"]["train_file_sha256"], state["args"]["validation_held_out"]
     state_file.write_text(json.dumps(state))
-    with pytest.raises(train.UserError, match=rf"other settings \(--train_file {tiny_data[0]} -> {train_copy}\)"):
+    by_path = rf"other settings \(--train_file {tiny_data[0]} -> {train_copy} \(a checkpoint of an earlier version"
+    with pytest.raises(train.UserError, match=by_path):
         train.main(train.parse_train_args(changed_data))
+    with pytest.raises(train.UserError, match=r"--validation_file: one then, none now"):  # told by its flags then
+        train.main(train.parse_train_args(no_dev))
 
 
 def test_an_error_on_one_rank_only_stops_every_rank_promptly(two_rank_run, tmp_path):

@@ -380,7 +380,7 @@ def _single_value_task(cls, dataset: Dataset, label_column: str, feature) -> Seq
         if len(values) <= 20 and all(float(value).is_integer() for value in values):  # one "1.0" in a CSV of 0 and 1
             shown = ", ".join(map(str, sorted(values)[:5]))
             logger.warning(f"label column {label_column!r} holds whole numbers written as floats ({shown}): trained as "
-                           "regression; for classes, write them as integers (0, 1)")  # fmt: skip
+                           "regression; if they are classes, write them as integers (1, not 1.0)")  # fmt: skip
         return cls(REGRESSION)
     if feature.dtype.startswith(("int", "uint")):
         return cls(SINGLE_LABEL, tuple(str(v) for v in sorted(values)))
