@@ -208,7 +208,7 @@ def main(args):
     record = run_record(args, plan, task, hub_target)
     # The run holds --output_dir from here until it returns: a second run started into it is refused.
     with holding_output_dir(accelerator, args.output_dir, args.save_on_each_node):
-        state = start_or_resume(args, accelerator, resume_path, record, len(train_dataloader))
+        state = start_or_resume(args, accelerator, task, resume_path, record, len(train_dataloader))
         logger.info("***** Running training *****")
         lora = f" with LoRA (r={args.lora_r}, {args.lora_target_modules})" if args.use_peft else ""
         model_name = args.model_name_or_path or f"a new {args.config_name or args.model_type} with random weights"
@@ -267,11 +267,11 @@ def main(args):
     return results
 
 
-def start_or_resume(args, accelerator, resume_path, record: dict, batches_per_epoch: int) -> TrainState:
+def start_or_resume(args, accelerator, task, resume_path, record: dict, batches_per_epoch: int) -> TrainState:
     """The loop's position (restored from a checkpoint, or a fresh start), with the run's files set up."""
     state = TrainState(num_processes=accelerator.num_processes)
     if resume_path:
-        state = load_checkpoint(accelerator, resume_path, record)
+        state = load_checkpoint(accelerator, resume_path, record, task_settings=task.record())
         if state.batches_in_epoch >= batches_per_epoch:
             state.epoch, state.batches_in_epoch = state.epoch + 1, 0
     # Trackers first: one that cannot start (say, wandb without an API key) stops the run before an old one is removed.

@@ -24,7 +24,7 @@ logger = get_logger(__name__)
 STATE_FILE = "training_state.json"
 PREFIX = "checkpoint-"
 RESULTS_FILE = "all_results.json"
-LOCK_FILE = ".lock"  # held by the run writing into the folder: see lock_output_dir
+LOCK_FILE = ".lock"  # held by the run writing into the folder: see holding_output_dir
 
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
@@ -83,8 +83,9 @@ def holding_output_dir(accelerator, output_dir: Path, save_on_each_node: bool = 
 def _lock(output_dir: Path, save_on_each_node: bool):
     """LOCK_FILE, open and locked, naming this process; None on a file system without locks."""
     Path(output_dir).mkdir(parents=True, exist_ok=True)
-    file = open(Path(output_dir) / LOCK_FILE, "a+")  # noqa: SIM115 (closed by holding_output_dir)
+    file = None
     try:
+        file = open(Path(output_dir) / LOCK_FILE, "a+")  # noqa: SIM115 (closed by holding_output_dir)
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         file.seek(0)
@@ -95,8 +96,9 @@ def _lock(output_dir: Path, save_on_each_node: bool):
         raise UserError(f"--output_dir {output_dir} is in use by another run ({holder}): wait for it to end, or "
                         f"choose another --output_dir; if that process is gone (its machine failed), delete "
                         f"{Path(output_dir) / LOCK_FILE}{hint}") from None  # fmt: skip
-    except OSError as err:  # a file system without locks (some network ones): the run goes on unguarded
-        file.close()
+    except OSError as err:  # a file system without locks (some network ones), a lock file not ours: unguarded
+        if file is not None:
+            file.close()
         logger.warning(f"--output_dir {output_dir} cannot be locked ({err.strerror}): make sure no other run writes "
                        "into it")  # fmt: skip
         return None
@@ -173,8 +175,8 @@ def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
     return path
 
 
-# What a resumed run must keep to continue exactly: what decides the batches and the tokens learnt, the adapter, and
-# the optimizer's settings.
+# What a resumed run must keep to continue exactly: what decides the batches, the adapter and the optimizer's settings;
+# with the task's own settings (its record: columns, labels, which tokens are learnt), which load_checkpoint adds.
 SAME_ON_RESUME = (
     "per_device_train_batch_size",
     "gradient_accumulation_steps",
@@ -190,10 +192,6 @@ SAME_ON_RESUME = (
     "max_length",
     "tokenizer_name",
     "keep_linebreaks",  # a .txt file's blocks
-    "completion_only_loss",  # which tokens are learnt
-    "assistant_only_loss",
-    "packing",
-    "chat_template_sha256",  # --chat_template_path's text decides the tokens and which of them are learnt
     "use_peft",  # the adapter's shape and scale: a resume with others continues another model or cannot load
     "lora_r",
     "lora_alpha",
@@ -210,17 +208,17 @@ SAME_ON_RESUME = (
 
 
 def _change(key: str, then, now) -> str:
-    """A setting of SAME_ON_RESUME that differs, in the user's words: the flag, or what of it the record holds."""
-    flag = {"train_file_sha256": "--train_file", "chat_template_sha256": "--chat_template_path",
-            "validation_held_out": "--validation_file"}.get(key)  # fmt: skip
-    if flag is None:
+    """A setting that differs, in the user's words: the flag, or what of it the record holds (a file's hash)."""
+    if key == "validation_held_out":  # rows held out of the training file: no validation file given
+        key, then, now = "validation_file", not then, not now
+    elif key.endswith("_sha256"):  # train_file_sha256: --train_file's contents, chat_template_sha256: a template's
+        if then and now:
+            return f"{key.removesuffix('_sha256')}: other contents"
+        key = key.removesuffix("_sha256")
+    else:
         earlier = " (a checkpoint of an earlier version: compared by path)" if key == "train_file" else ""
         return f"--{key} {then} -> {now}{earlier}"
-    if key == "validation_held_out":  # rows held out of the training file: no validation file given
-        then, now = not then, not now
-    if key.endswith("_sha256") and then and now:
-        return f"{flag}: other contents"
-    return f"{flag}: {'one' if then else 'none'} then, {'one' if now else 'none'} now"
+    return f"{key}: {'one' if then else 'none'} then, {'one' if now else 'none'} now"
 
 
 def read_checkpoint_args(path: Path) -> dict:
@@ -231,8 +229,9 @@ def read_checkpoint_args(path: Path) -> dict:
         return {}
 
 
-def load_checkpoint(accelerator, path: Path, record: dict) -> TrainState:
-    """Restore everything `save_checkpoint` saved; returns the loop's position. `record`: this run's (args.json)."""
+def load_checkpoint(accelerator, path: Path, record: dict, task_settings=()) -> TrainState:
+    """Restore everything `save_checkpoint` saved; returns the loop's position. `record`: this run's (args.json);
+    `task_settings`: its keys that the task wrote (`Task.record()`), compared as SAME_ON_RESUME is."""
     try:
         saved_state = json.loads((path / STATE_FILE).read_text())
         position = [saved_state[key] for key in ("global_step", "epoch", "batches_in_epoch", "num_processes")]
@@ -243,7 +242,7 @@ def load_checkpoint(accelerator, path: Path, record: dict) -> TrainState:
     # Checkpoints of earlier versions name the training file by its path only, and whether validation rows were held
     # out of it by their flags.
     saved.setdefault("validation_held_out", bool(saved.get("train_file") and not saved.get("validation_file")))
-    compared = SAME_ON_RESUME + (() if "train_file_sha256" in saved else ("train_file",))
+    compared = (*SAME_ON_RESUME, *task_settings, *(() if "train_file_sha256" in saved else ("train_file",)))
     changed = [_change(key, saved[key], record.get(key)) for key in compared
                if key in saved and str(saved[key]) != str(record.get(key))]  # fmt: skip
     if changed:

@@ -12,7 +12,6 @@ from accelerate import PartialState
 from conftest import REPO, WEIGHTS_ATOL, launch, run_in_process, run_model_card_snippet, train_args, write_rows
 from datasets import Dataset
 
-from src.checkpoint import SAME_ON_RESUME
 from src.errors import UserError
 from src.model import default_model_path, load_tokenizer
 from src.plan import best_metric, learning_rate
@@ -158,7 +157,7 @@ def chat_lora_run(tiny_decoders, tmp_path_factory) -> dict:
     flags = ["--use_peft", "--num_train_epochs", "1", "--max_length", "64", "--assistant_only_loss",
              "--chat_template_path", CHAT_TEMPLATE]  # fmt: skip
     results = run_in_process("train", train_args(tiny_decoders["llama"], train, dev, folder / "out", *flags))
-    return {"out": folder / "out", "dev": dev, "results": results}
+    return {"out": folder / "out", "dev": dev, "results": results, "base": tiny_decoders["llama"]}
 
 
 def test_lora_sft_on_chat_rows_and_evaluate_py_reproduces_it(chat_lora_run, tmp_path):
@@ -166,9 +165,7 @@ def test_lora_sft_on_chat_rows_and_evaluate_py_reproduces_it(chat_lora_run, tmp_
     record = json.loads((out / "args.json").read_text())
     assert record["task"] == "causal-lm" and record["format"] == CHAT and record["metric_for_best_model"] == "loss"
     assert record["assistant_only_loss"] is True
-    # Resume compares the template's text, not the path that named it (SAME_ON_RESUME).
     assert record["chat_template_sha256"] == hashlib.sha256(Path(CHAT_TEMPLATE).read_bytes()).hexdigest()
-    assert "chat_template_sha256" in SAME_ON_RESUME and "chat_template_path" not in SAME_ON_RESUME
     assert record["learning_rate"] == 1e-3 and record["max_length"] == 64  # as given (train_args), in the record
     assert {"eval_loss", "eval_perplexity", "eval_mean_token_accuracy", "train_loss"} <= set(results)
     adapter = json.loads((out / "adapter_config.json").read_text())
@@ -200,6 +197,27 @@ def test_a_lora_folder_loads_with_plain_auto_model_for_causal_lm_as_trls_do(chat
     ids = torch.tensor([[1, 5, 6, 7, 8]])
     with torch.no_grad():
         assert torch.equal(plain(ids).logits, peft(ids).logits)
+
+
+def test_a_resume_keeps_the_task_s_settings_and_compares_the_template_by_its_text(chat_lora_run, tmp_path):
+    """What the task records (src/tasks/causal_lm.py: which tokens are learnt, the chat template's text) is compared
+    on resume, as the shared settings are: the template by its text, so a copy elsewhere resumes."""
+    train, dev = chat_lora_run["out"].parent / "train.jsonl", chat_lora_run["dev"]
+    out, template = tmp_path / "out", tmp_path / "template.jinja"
+    template.write_text(Path(CHAT_TEMPLATE).read_text())
+    flags = ["--use_peft", "--max_train_steps", "2", "--checkpointing_steps", "2", "--max_length", "64",
+             "--assistant_only_loss", "--chat_template_path", str(template)]  # fmt: skip
+    first = run_in_process("train", train_args(chat_lora_run["base"], train, dev, out, *flags))
+    copy = tmp_path / "copy.jinja"
+    copy.write_text(template.read_text())
+    flags[-1] = str(copy)
+    resume = [*train_args(chat_lora_run["base"], train, dev, out, *flags), "--resume_from_checkpoint", "latest"]
+    assert run_in_process("train", resume)["eval_loss"] == first["eval_loss"]  # the same text at another path
+    with pytest.raises(UserError, match=r"other settings \(--assistant_only_loss True -> False\)"):
+        run_in_process("train", [*resume, "--no-assistant_only_loss"])
+    copy.write_text(Path(CHAT_TEMPLATE).read_text().replace("'<|' + message['role']", "'<' + message['role']"))
+    with pytest.raises(UserError, match=r"other settings \(chat_template: other contents\)"):
+        run_in_process("train", resume)
 
 
 def test_three_ranks_count_every_token_once_as_one_rank_does(chat_lora_run, tmp_path):

@@ -11,6 +11,7 @@ import pytest
 from accelerate import PartialState
 from conftest import REPO, free_port, launch, load_script, run_process, sentiment_rows, train_args, write_rows
 
+from src.checkpoint import newest_checkpoint
 from src.errors import main_process_first
 
 train = load_script("train")
@@ -156,21 +157,21 @@ def test_resume_with_other_batching_settings_is_refused(tmp_path, tiny_model, ti
     assert resumed["global_step"] == first["global_step"] and resumed["eval_samples"] == first["eval_samples"] - 1
     no_dev = train_args(tiny_model, train_copy, dev_copy, out, "--resume_from_checkpoint", "latest")
     no_dev[no_dev.index("--validation_file") : no_dev.index("--validation_file") + 2] = []
-    with pytest.raises(train.UserError, match=r"other settings \(--validation_file: one then, none now\)"):
+    with pytest.raises(train.UserError, match=r"other settings \(validation_file: one then, none now\)"):
         train.main(train.parse_train_args(no_dev))
     train_copy.write_text(train_copy.read_text().replace("negative", "positive", 1))
     changed_data = train_args(tiny_model, train_copy, dev_copy, out, "--resume_from_checkpoint", "latest")
-    with pytest.raises(train.UserError, match=r"other settings \(--train_file: other contents\)"):
+    with pytest.raises(train.UserError, match=r"other settings \(train_file: other contents\)"):
         train.main(train.parse_train_args(changed_data))
     # A checkpoint of an earlier version holds the training file's path only: that is compared.
-    state_file = max(out.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1])) / "training_state.json"
+    state_file = newest_checkpoint(out) / "training_state.json"
     state = json.loads(state_file.read_text())
     del state["args"]["train_file_sha256"], state["args"]["validation_held_out"]
     state_file.write_text(json.dumps(state))
     by_path = rf"other settings \(--train_file {tiny_data[0]} -> {train_copy} \(a checkpoint of an earlier version"
     with pytest.raises(train.UserError, match=by_path):
         train.main(train.parse_train_args(changed_data))
-    with pytest.raises(train.UserError, match=r"--validation_file: one then, none now"):  # told by its flags then
+    with pytest.raises(train.UserError, match=r"validation_file: one then, none now"):  # told by its flags then
         train.main(train.parse_train_args(no_dev))
 
 
