@@ -5,6 +5,7 @@ Each launch is shared by the tests that check different things about the same ru
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -126,6 +127,26 @@ def test_resume_on_another_number_of_processes_is_refused(two_rank_run, tmp_path
     with pytest.raises(UserError, match="written by 2 processes and this run has 1; resume with the same number"):
         run_in_process("train", [*args, "--resume_from_checkpoint", str(checkpoint)])
     assert {path.name for path in (tmp_path / "out").iterdir()} == {".lock"}, "nothing written but the folder's lock"
+
+
+def test_a_folder_in_use_stops_both_ranks_of_a_second_run(two_rank_run, tmp_path):
+    """Only rank 0 takes the output folder's lock: refused there, the second run's rank 1 must stop too, with the
+    reason, instead of waiting in a collective; nothing is written. A real 2-rank launch: the refusal crosses
+    processes."""
+    out = tmp_path / "out"
+    hold = f"from src.checkpoint import _lock; lock = _lock({str(out)!r}, False); print('held'); input()"
+    holder = subprocess.Popen([sys.executable, "-u", "-c", hold], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        result = launch("train.py", train_args(*two_rank_run["args"], out, *two_rank_run["flags"]), timeout=180)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode != 0
+    assert f"[rank 0] error: --output_dir {out} is in use by another run (train.py, pid {holder.pid}" in result.stderr
+    assert "[rank 1] error: rank 0: --output_dir" in result.stderr, result.stderr[-2000:]
+    assert {path.name for path in out.iterdir()} == {".lock"}, "nothing written"
 
 
 def test_regression_with_dropout_on_two_ranks(two_rank_dropout_run, tiny_model_no_dropout, tmp_path):
