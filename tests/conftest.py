@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -213,6 +214,20 @@ def run_process(command: list[str], timeout: float, **options) -> subprocess.Com
         kill_tree(process)
         raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+@contextmanager
+def another_run_holding(folder: Path):
+    """A process that holds `folder` as a run does (its lock on it) until the block ends; yields that process's pid."""
+    hold = f"from src.checkpoint import _lock; lock = _lock({str(folder)!r}, False); print('held'); input()"
+    holder = subprocess.Popen([sys.executable, "-u", "-c", hold], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def kill_tree(process: subprocess.Popen):

@@ -183,25 +183,19 @@ def test_a_second_run_into_a_folder_in_use_is_refused_until_the_first_ends(tiny_
     import subprocess
     import sys
 
-    from conftest import REPO
+    from conftest import REPO, another_run_holding
 
     out = tmp_path / "out"
-    hold = f"from src.checkpoint import _lock; lock = _lock({str(out)!r}, False); print('held'); input()"
-    first = subprocess.Popen([sys.executable, "-u", "-c", hold], cwd=REPO, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        assert first.stdout.readline() == "held\n"
+    with another_run_holding(out):
         with pytest.raises(train.UserError, match=rf"--output_dir {out} is in use by another run \(train.py, pid "):
             run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1"))
         assert {p.name for p in out.iterdir()} == {".lock"}, "nothing written"
-    finally:
-        first.kill()
-        first.wait()
     # A run that ends, also with an error, lets go of the folder in a process that goes on (a notebook's kernel, whose
     # last traceback keeps the run's objects alive, its DataLoader's forked workers too): another process may resume.
     diverging = ["--learning_rate", "1e30", "--max_grad_norm", "0", "--dataloader_num_workers", "1"]
     with pytest.raises(train.UserError, match="NaN or infinite") as failed:
         run_main(*train_args(tiny_model, *data, out, *diverging))
-    again = subprocess.run([sys.executable, "-c", hold.replace("input()", "")], cwd=REPO, capture_output=True)
+    lock = f"from src.checkpoint import _lock; assert _lock({str(out)!r}, False)"
+    again = subprocess.run([sys.executable, "-c", lock], cwd=REPO, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-500:]
     assert failed.traceback, "the failed run's frames were still alive"

@@ -5,7 +5,6 @@ Each launch is shared by the tests that check different things about the same ru
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ from conftest import (
     LOSS_ATOL,
     REPO,
     WEIGHTS_ATOL,
+    another_run_holding,
     free_port,
     launch,
     reference_logits,
@@ -134,17 +134,10 @@ def test_a_folder_in_use_stops_both_ranks_of_a_second_run(two_rank_run, tmp_path
     reason, instead of waiting in a collective; nothing is written. A real 2-rank launch: the refusal crosses
     processes."""
     out = tmp_path / "out"
-    hold = f"from src.checkpoint import _lock; lock = _lock({str(out)!r}, False); print('held'); input()"
-    holder = subprocess.Popen([sys.executable, "-u", "-c", hold], cwd=REPO, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        assert holder.stdout.readline() == "held\n"
+    with another_run_holding(out) as holder:
         result = launch("train.py", train_args(*two_rank_run["args"], out, *two_rank_run["flags"]), timeout=180)
-    finally:
-        holder.kill()
-        holder.wait()
     assert result.returncode != 0
-    assert f"[rank 0] error: --output_dir {out} is in use by another run (train.py, pid {holder.pid}" in result.stderr
+    assert f"[rank 0] error: --output_dir {out} is in use by another run (train.py, pid {holder}" in result.stderr
     assert "[rank 1] error: rank 0: --output_dir" in result.stderr, result.stderr[-2000:]
     assert {path.name for path in out.iterdir()} == {".lock"}, "nothing written"
 
