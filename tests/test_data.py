@@ -95,6 +95,13 @@ def test_tokenize_maps_labels_and_refuses_unknown_ones(tmp_path, tiny_model):
     assert encoded["labels"] == [{"negative": 0, "positive": 1}[r["label"]] for r in sentiment_rows(6)]
     with pytest.raises(UserError, match=r"label\(s\) positive in column 'label' are not among the model's labels"):
         SequenceClassification(SINGLE_LABEL, ("negative", "neutral"), columns=columns).features(data, tokenizer, 16)
+    # A classifier from elsewhere whose names differ only in case (roberta-large-mnli's ENTAILMENT on GLUE's data).
+    shouting = SequenceClassification(SINGLE_LABEL, ("NEGATIVE", "Positive"), columns=columns)
+    assert shouting.features(data, tokenizer, 16)["labels"] == encoded["labels"]
+    with pytest.raises(UserError, match=r"label\(s\) positive in column 'label' are not among"):  # which one?
+        SequenceClassification(SINGLE_LABEL, ("negative", "POSITIVE", "Positive"), columns=columns).features(
+            data, tokenizer, 16
+        )
 
 
 @pytest.mark.parametrize("group_by_length", [True, False])

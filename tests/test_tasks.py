@@ -114,6 +114,8 @@ def test_multi_label_encoding_loss_and_predictions(tmp_path, tiny_model):
     encoded = task.features(data, tokenizer, 16)
     expected = [[float(name in row["labels"]) for name in task.label_names] for row in ticket_rows(6, seed=0)]
     assert encoded["labels"] == expected
+    upper = tuple(name.upper() for name in task.label_names)
+    assert replace(task, label_names=upper).features(data, tokenizer, 16)["labels"] == expected
 
     logits, targets = torch.tensor([[2.0, -1.0], [0.1, -0.3]]), torch.tensor([[1.0, 0.0], [0.0, 0.0]])
     weighted = SequenceClassification(MULTI_LABEL, ("a", "b"), class_weights=(3.0, 0.5), threshold=0.5)

@@ -92,6 +92,8 @@ def test_labels_go_on_the_first_sub_token_of_each_word():
         expected.append(IGNORE if word is None or word == previous else names.index(data[0]["ner_tags"][word]))
         previous = word
     assert row["labels"] == expected
+    lower = TokenClassification(tuple(name.lower() for name in names), ("tokens", "ner_tags"))  # a tagger elsewhere
+    assert lower.features(data, tokenizer, 128)[0]["labels"] == expected
     # The word numbers (for predictions.csv) stay out of training batches: nothing to collate and copy each step.
     training = first.training_rows(first.features(data, tokenizer, 128), 128).remove_columns(
         ["example_index", "length"]

@@ -19,6 +19,16 @@ class Step(NamedTuple):
     outputs: dict
 
 
+def label_finder(names):
+    """A function from a label's name in the data to its id among a model's label `names` (None if absent). Names that
+    differ only in case match (GLUE's entailment, roberta-large-mnli's ENTAILMENT), as in run_glue_no_trainer.py,
+    unless the model has two such names."""
+    exact = {name: i for i, name in enumerate(names)}
+    folded = {name.lower(): i for name, i in exact.items()}
+    folded = folded if len(folded) == len(exact) else {}
+    return lambda name: exact.get(name, folded.get(name.lower()))
+
+
 class Task:
     # The name `--task` uses and args.json records; a task outside src/tasks/ is recorded by its import path.
     name = ""

@@ -16,7 +16,7 @@ from datasets import ClassLabel, Dataset, LargeList, List, Value
 from src.data import detect_columns
 from src.errors import UserError
 from src.loaders import INDEX_COLUMN, LENGTH_COLUMN
-from src.tasks.base import Step, Task
+from src.tasks.base import Step, Task, label_finder
 
 logger = get_logger(__name__)
 
@@ -197,7 +197,7 @@ class SequenceClassification(Task):
         if multi_label != self.is_multi_label:
             rows = "lists of labels" if multi_label else "one label per row"
             raise UserError(f"label column {label_column!r} holds {rows}, but the model does {self.describe()}")
-        label2id = self.label2id
+        id_of = label_finder(self.label_names)
 
         def encode(rows, indices):
             texts = [str(t) if t is not None else "" for t in rows[text_column]]
@@ -212,17 +212,18 @@ class SequenceClassification(Task):
                 encoded["labels"] = [float(v) for v in raw]
                 return encoded
             names = [name_of(v) for v in raw]
-            unknown = sorted({n for row in names for n in (row if multi_label else [row]) if n not in label2id})
+            unknown = sorted({n for row in names for n in (row if multi_label else [row]) if id_of(n) is None})
             if unknown:
                 raise UserError(
                     f"label(s) {', '.join(unknown[:10])} in column {label_column!r} are not among the model's "
-                    f"labels ({', '.join(label2id)}), those of its training data: drop those rows, or train on data "
-                    "that has them"
+                    f"labels ({', '.join(self.label_names)}), those of its training data: drop those rows, or train on "
+                    "data that has them"
                 )
             if multi_label:  # multi-hot floats, the targets of BCE-with-logits
-                encoded["labels"] = [[float(name in chosen) for name in label2id] for chosen in map(set, names)]
+                chosen_ids = [{id_of(n) for n in row} for row in names]
+                encoded["labels"] = [[float(i in chosen) for i in range(self.num_labels)] for chosen in chosen_ids]
             else:
-                encoded["labels"] = [label2id[n] for n in names]
+                encoded["labels"] = [id_of(n) for n in names]
             return encoded
 
         encoded = dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,

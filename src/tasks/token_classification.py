@@ -12,7 +12,7 @@ from datasets import ClassLabel, Dataset, LargeList, List, Sequence, Value
 from src.args import Switch
 from src.errors import UserError
 from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, PaddingColumnToo
-from src.tasks.base import Step, Task
+from src.tasks.base import Step, Task, label_finder
 
 logger = get_logger(__name__)
 IGNORE = -100  # the label of special tokens, padding and (without --label_all_tokens) later sub-tokens of a word
@@ -143,7 +143,7 @@ class TokenClassification(Task):
         words_column, tags_column = self.columns
         if tags_column and tags_column not in dataset.column_names:
             tags_column = None
-        tag_id = {name: i for i, name in enumerate(self.label_names)}
+        tag_id, id_of = {name: i for i, name in enumerate(self.label_names)}, label_finder(self.label_names)
         names = dataset.features[tags_column].feature.names if tags_column and isinstance(
             dataset.features[tags_column].feature, ClassLabel) else None  # fmt: skip
         inside = [tag_id.get("I-" + name[2:], tag_id[name]) if name.startswith("B-") else tag_id[name]
@@ -171,12 +171,12 @@ class TokenClassification(Task):
                     raise UserError(f"row {indices[row]} has {len(words)} words in {words_column!r} and {len(tags)} "
                                     f"tags in {tags_column!r}: give every word one tag")  # fmt: skip
                 tag_names = [names[t] if names else str(t) for t in tags]
-                if unknown := set(tag_names) - tag_id.keys():
+                if unknown := {name for name in tag_names if id_of(name) is None}:
                     known = ", ".join(self.label_names[:30]) + (", ..." if len(self.label_names) > 30 else "")
                     raise UserError(f"tag(s) {', '.join(sorted(unknown)[:10])} in column {tags_column!r} "
                                     f"are not among the model's {len(self.label_names)} tags, those of its training "
                                     f"data ({known}): drop those rows, or train on data that has them")  # fmt: skip
-                ids = [tag_id[name] for name in tag_names]
+                ids = [id_of(name) for name in tag_names]
                 labels, previous = [], None
                 for word in word_ids:
                     if word is None:
