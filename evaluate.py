@@ -11,27 +11,23 @@ The files are the same whether it runs on 1 or many processes.
 """
 
 import csv
-from datetime import timedelta
 from pathlib import Path
 
-import torch
-from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from datasets import Dataset
 
 from src.args import Flags, build_eval_parser, parse_args
 from src.checkpoint import RESULTS_FILE, STATE_FILE, check_writable
-from src.data import load_file, load_hub_dataset, pick_split
+from src.data import check_column_flags, load_file, load_hub_dataset, pick_split
 from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli
 from src.evaluation import evaluate
 from src.generation import generate
 from src.glue import glue_labels
 from src.loaders import build_eval_dataloader, padding_options
 from src.model import prepare_for_evaluation, resolve_max_length
-from src.precision import choose_precision
 from src.record import DEFAULT_TASK, RECORD_FILE, read_record
 from src.reporting import setup_logging, write_json
-from src.runtime import one_precision_per_process, refuse_fsdp_without_gpus, set_cpu_threads
+from src.runtime import make_accelerator, refuse_fsdp_without_gpus
 from src.tasks import task_class
 
 logger = get_logger(__name__)
@@ -74,19 +70,14 @@ def main(args):
     check_writable(args.output_dir or args.model_name_or_path)  # results go to the model folder by default
     # What the training run was (task, labels, columns, precision, max_length), or {} for a model from elsewhere.
     record = read_record(args.model_name_or_path)
-    on_cpu = not torch.accelerator.is_available()
-    PartialState(cpu=on_cpu, timeout=timedelta(seconds=args.ddp_timeout))
-    if on_cpu:
-        set_cpu_threads(args.cpu_threads)
     # The training run's precision, unless told otherwise, so that its final metrics are reproduced.
-    precision, why = choose_precision(args.mixed_precision, on_cpu, record.get("mixed_precision"))
-    with one_precision_per_process(precision):
-        accelerator = Accelerator(cpu=on_cpu, mixed_precision=precision)
+    accelerator, why, _ = make_accelerator(args, record.get("mixed_precision"))
     setup_logging()
-    logger.info(f"Mixed precision = {precision} ({why})")
+    logger.info(f"Mixed precision = {accelerator.mixed_precision} ({why})")
 
     with main_process_first(accelerator, args.data_preparation_timeout):
         data = load_split(args, record.get("keep_linebreaks", True))  # a .txt file read as in training
+        check_column_flags(args, data.column_names)
         if record.get("task_name"):  # GLUE ids in a local file, named as the model's labels are
             data = glue_labels(data, record["task_name"], args.label_column or record.get("label_column"))
         # The task the model was trained for, never detected again: its record says how to read the data.

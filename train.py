@@ -12,12 +12,11 @@ What is learnt (model, features, loss, metrics) is the task's: src/tasks/. This 
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.data_loader import skip_first_batches
 from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
@@ -46,10 +45,9 @@ from src.model import prepare_for_training, resolve_max_length
 from src.model_card import write_model_card
 from src.optimizer import build_optimizer, build_scheduler, count_parameters, use_sharded_parameters
 from src.plan import BatchSizes, Plan, learning_rate, make_plan
-from src.precision import choose_precision
 from src.record import run_record
 from src.reporting import append_jsonl, keep_records_up_to, read_jsonl, setup_logging, tracker_run_name, write_json
-from src.runtime import one_precision_per_process, refuse_fsdp_without_gpus, set_cpu_threads
+from src.runtime import make_accelerator, refuse_fsdp_without_gpus
 from src.signals import StopSignals, StopVote
 from src.state import TrainState
 from src.tasks import detect_task, task_class
@@ -61,30 +59,20 @@ logger = get_logger(__name__)
 def build_accelerator(args, resume_path) -> tuple[Accelerator, str, int]:
     """The Accelerator, why it has its precision, and the CPU threads each process uses."""
     on_cpu = not torch.accelerator.is_available()
-    # Without cpu=True, torchrun or `--multi_gpu` on a machine without GPUs would start N unrelated
-    # single-process runs instead of N ranks of one. The process group comes first: rank 0 may time both
-    # precisions on this machine's threads, and every rank takes its answer.
-    PartialState(cpu=on_cpu, timeout=timedelta(seconds=args.ddp_timeout))
-    threads = set_cpu_threads(args.cpu_threads) if on_cpu else torch.get_num_threads()
-    # A resumed run keeps its precision, also on a machine that would choose another: resume stays exact.
-    saved = read_checkpoint_args(resume_path).get("mixed_precision") if resume_path else None
-    precision, reason = choose_precision(args.mixed_precision, on_cpu, saved)
     if not on_cpu:
         torch.set_float32_matmul_precision("high")  # TF32: what stays fp32 runs on tensor cores too
-    with one_precision_per_process(precision):
-        accelerator = Accelerator(
-            cpu=on_cpu,
-            mixed_precision=precision,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            step_scheduler_with_optimizer=False,  # the scheduler counts optimizer updates; see train_step
-            # Batches are copied to the GPU without making the host wait for the step in flight.
-            dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu),
-            log_with=None if args.report_to == "none" else args.report_to,
-            project_config=ProjectConfiguration(
-                project_dir=str(args.output_dir), save_on_each_node=args.save_on_each_node
-            ),  # fmt: skip
-        )
-    return accelerator, reason, threads
+    # A resumed run keeps its precision, also on a machine that would choose another: resume stays exact.
+    saved = read_checkpoint_args(resume_path).get("mixed_precision") if resume_path else None
+    return make_accelerator(
+        args,
+        saved,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,  # the scheduler counts optimizer updates; see train_step
+        # Batches are copied to the GPU without making the host wait for the step in flight.
+        dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu),
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_config=ProjectConfiguration(project_dir=str(args.output_dir), save_on_each_node=args.save_on_each_node),
+    )
 
 
 def load_data_and_model(args, accelerator):
@@ -298,9 +286,8 @@ def train_loop(run: Run) -> int | None:
     run.window, run.vote = ThroughputWindow(run.accelerator.device), StopVote(run.accelerator)
     run.epoch_loss = torch.zeros((), device=run.accelerator.device)
     run.early_stop = early_stop_reason(run)  # resumed after its patience ran out: nothing left to train
-    # A run resumed from its last step has nothing left to train either.
-    for epoch in range(state.epoch, plan.num_epochs if state.global_step < plan.max_train_steps else 0):
-        if run.early_stop:
+    for epoch in range(state.epoch, plan.num_epochs):
+        if run.early_stop or state.global_step >= plan.max_train_steps:  # also a run resumed from its last step
             break
         for batches, batch_in_epoch in optimizer_steps(run, epoch):
             train_step(run, batches)
@@ -330,8 +317,6 @@ def train_loop(run: Run) -> int | None:
                 logger.info(f"Stopped at step {state.global_step} ({why}). To continue, run the same command with "
                             "--resume_from_checkpoint latest")  # fmt: skip
                 return 128 + signum if signum else 0
-        if run.early_stop or state.global_step >= plan.max_train_steps:
-            break
     return None
 
 
@@ -385,8 +370,7 @@ def stop_requested(run: Run) -> tuple[int, int]:
     """(the stop signal, or 0; whether --max_time ran out), agreed by every rank so that all stop at the same step."""
     max_time = run.args.max_time
     out_of_time = max_time is not None and time.perf_counter() - run.start_time > max_time * 60
-    signum, out_of_time = run.vote.agree([run.stop_signals.requested(), out_of_time])
-    return signum, out_of_time
+    return tuple(run.vote.agree([run.stop_signals.requested(), out_of_time]))
 
 
 def log(run: Run, record: dict):
@@ -465,7 +449,7 @@ def checkpoint(run: Run) -> bool:
     check_finite(run)
     add_epoch_loss(run)
     with run.window.paused():  # throughput counts training time only
-        path = save_checkpoint(run.accelerator, run.args.output_dir, run.state.to_dict() | {"args": run.record},
+        path = save_checkpoint(run.accelerator, run.args.output_dir, asdict(run.state) | {"args": run.record},
                                is_checkpoint_writer(run.accelerator, run.args.save_on_each_node),
                                run.args.save_total_limit)  # fmt: skip
     logger.info(f"Saved checkpoint {path}")

@@ -171,11 +171,8 @@ def _add_multi_label_threshold_argument(group, default, help_default):
     )
 
 
-def _seconds(text):
-    value = _positive_int(text)
-    if value > 30 * 24 * 3600:  # also what a timedelta, and gloo's and NCCL's millisecond counts, can hold
-        raise argparse.ArgumentTypeError(f"must be at most 30 days (2592000 seconds), got {text}")
-    return value
+# At most 30 days: also what a timedelta, and gloo's and NCCL's millisecond counts, can hold.
+_seconds = _number(int, lambda v: 0 < v <= 30 * 24 * 3600, "between 1 and 2592000 seconds (30 days)")
 
 
 def _add_timeout_arguments(group):
@@ -193,10 +190,6 @@ def _add_timeout_arguments(group):
         help="Seconds the other ranks wait for rank 0 to download and tokenise the data "
         "before they give up; separate from --ddp_timeout, so a large dataset does not kill the job.",
     )
-
-
-def _switch(group, flag: str, default=None, help: str = ""):
-    group.add_argument(flag, action=Switch, default=default, help=help)
 
 
 def _steps_or_epoch(text):
@@ -236,18 +229,6 @@ def _add_data_arguments(group, split_help):
         default=0,
         help="Processes that collate batches beside each process, as in Trainer; 0: the process itself. On a GPU they "
         "take collation off the step's path; on a small CPU they take cores from the computation.",
-    )
-
-
-def _add_text_file_arguments(group):
-    # run_clm_no_trainer.py's spelling of the off switch, kept for its users (`no_keep_linebreaks: true` in a --config
-    # file too).
-    group.add_argument("--no_keep_linebreaks", dest="keep_linebreaks", action="store_false", help=argparse.SUPPRESS)
-    _switch(
-        group,
-        "--keep_linebreaks",
-        default=True,
-        help="Keep each line's line break when reading a .txt file (a row per line).",
     )
 
 
@@ -303,10 +284,9 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         help="Tokenizer (Hub name or local folder). Default: --model_name_or_path's; for a new model, the default "
         "model's.",
     )
-    _switch(
-        model,
+    model.add_argument(
         "--use_peft",
-        default=False,
+        action=Switch,
         help="Train LoRA adapters (peft) on the frozen model, and a head the task adds in full; the output holds the "
         "adapter (and that head) only (megabytes).",
     )
@@ -321,33 +301,30 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         help="Names of the modules that get adapters, comma- or space-separated (q_proj,v_proj or q_proj v_proj, as "
         "TRL writes them), or all-linear: every linear layer of the backbone (not the head).",
     )
-    _switch(
-        model,
+    model.add_argument(
         "--merge_lora",
-        default=False,
+        action=Switch,
         help="With --use_peft: save a plain model with the adapter merged in (loadable by the task's Auto class's "
         "from_pretrained, e.g. AutoModelForSequenceClassification) instead of the adapter.",
     )
 
     memory = parser.add_argument_group("memory")
-    _switch(
-        memory,
+    memory.add_argument(
         "--gradient_checkpointing",
-        default=False,
+        action=Switch,
         help="Recompute activations in the backward pass: far less activation memory for about a third more compute.",
     )
-    _switch(
-        memory,
+    memory.add_argument(
         "--auto_find_batch_size",
-        default=False,
+        action=Switch,
         help="Before training, try --per_device_train_batch_size on the longest examples and halve it until it fits "
         "in memory, raising --gradient_accumulation_steps to keep the total batch; then halve "
         "--per_device_eval_batch_size until evaluation fits too. Not under FSDP or DeepSpeed.",
     )
     _add_remote_code_argument(model)
-    _switch(
-        model,
+    model.add_argument(
         "--ignore_mismatched_sizes",
+        action=Switch,
         default=True,
         help="Give a checkpoint whose classification head has another number of labels a new head (e.g. an MNLI "
         "model fine-tuned on 2 classes); --no-ignore_mismatched_sizes refuses such a checkpoint instead.",
@@ -376,15 +353,23 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         default=10,
         help="Percent of the training rows held out for validation when there is no validation split.",
     )
-    _add_text_file_arguments(data)
+    # run_clm_no_trainer.py's spelling of the off switch, kept for its users (`no_keep_linebreaks: true` in a --config
+    # file too).
+    data.add_argument("--no_keep_linebreaks", dest="keep_linebreaks", action="store_false", help=argparse.SUPPRESS)
+    data.add_argument(
+        "--keep_linebreaks",
+        action=Switch,
+        default=True,
+        help="Keep each line's line break when reading a .txt file (a row per line).",
+    )
     data.add_argument(
         "--preprocessing_num_workers",
         type=_positive_int,
         help="Processes that tokenize the data (datasets' num_proc). Default: this process.",
     )
-    _switch(
-        data,
+    data.add_argument(
         "--pad_to_max_length",
+        action=Switch,
         help="Pad every batch to --max_length (fixed shapes, for hardware that wants them) instead of to its "
         "longest example.",
     )
@@ -431,9 +416,9 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     train.add_argument(
         "--seed", type=_seed, default=42, help="Seed for weights of the new head, data order and dropout."
     )
-    _switch(
-        train,
+    train.add_argument(
         "--group_by_length",
+        action=Switch,
         default=True,
         help="Batch examples of similar length (shuffled in groups) so little compute goes to padding.",
     )
@@ -452,18 +437,19 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         "f1_micro, perplexity, ...: a wrong name is answered with the task's list). Default: the task's main metric, "
         "or GLUE's for --task_name.",
     )
-    _switch(
-        evaluation,
+    evaluation.add_argument(
         "--greater_is_better",
+        action=Switch,
+        default=None,  # unset: the task decides (lower_is_better)
         help="Whether a larger metric is better. Default: false for the task's lower-is-better metrics (losses and "
         "errors), true otherwise.",
     )
     evaluation.add_argument(
         "--early_stopping_patience", type=_positive_int, help="Stop after N evaluations without improvement."
     )
-    _switch(
-        evaluation,
+    evaluation.add_argument(
         "--load_best_model_at_end",
+        action=Switch,
         help="Save the best evaluated model as the final one (a checkpoint is kept at each improvement).",
     )
 
@@ -481,16 +467,18 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     checkpoints.add_argument(
         "--resume_from_checkpoint", help="A checkpoint folder, or 'latest' for the newest one in --output_dir."
     )
-    _switch(checkpoints, "--overwrite_output_dir", help="Start afresh in an --output_dir that holds a run.")
+    checkpoints.add_argument(
+        "--overwrite_output_dir", action=Switch, help="Start afresh in an --output_dir that holds a run."
+    )
     checkpoints.add_argument(
         "--max_time",
         type=_positive_float,
         help="Stop after this many minutes of training (counted from the first step: leave a job's time limit room for "
         "loading and the last save), saving a checkpoint to resume from.",
     )
-    _switch(
-        checkpoints,
+    checkpoints.add_argument(
         "--save_on_each_node",
+        action=Switch,
         help="Only for machines that share no file system: each node's local main process writes the checkpoint "
         "files its ranks need to resume. On a shared file system the nodes would overwrite each other.",
     )
@@ -507,16 +495,16 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         default="tensorboard",
         help="Experiment tracker; all: every installed one that accelerate supports.",
     )
-    _switch(
-        logging,
+    logging.add_argument(
         "--with_tracking",
+        action=Switch,
         help="Kept for run_glue_no_trainer.py commands: tracking is on by default here (--report_to).",
     )
 
     hub = parser.add_argument_group("Hugging Face Hub")
-    _switch(
-        hub,
+    hub.add_argument(
         "--push_to_hub",
+        action=Switch,
         help="Upload the final model, tokenizer, model card and results. Access is checked before training starts.",
     )
     hub.add_argument("--hub_model_id", help="Repository to push to, name or owner/name. Default: --output_dir's name.")
@@ -555,10 +543,9 @@ def build_eval_parser() -> ArgumentParser:
     run.add_argument("--cpu_threads", type=_positive_int, help="Threads per process on a CPU run; as train.py.")
     _add_timeout_arguments(run)
     generation = parser.add_argument_group("generation (causal LMs on prompt/completion or chat rows)")
-    _switch(
-        generation,
+    generation.add_argument(
         "--predict_with_generate",
-        default=False,
+        action=Switch,
         help="Also generate an answer to each row's prompt: predictions.csv's `generation` column. Rows of prompts "
         "alone (no completion) are answered, not scored.",
     )

@@ -60,13 +60,8 @@ def _fit_train_batch_size(sizes, probe, dataset, resume_path, trainable: int) ->
     # A training step holds AdamW's two fp32 moments per trainable weight (made at the first real step) and, on
     # more than one process, DDP's gradient buckets (a copy of the gradients): the probe runs without DDP.
     reserve = 2 * trainable + (trainable if probe.accelerator.num_processes > 1 else 0)
-    size = probe.largest_that_fits(dataset, requested, reserve, train=True)
-    longest = int(lengths_of(dataset).max())
-    if size == 0:
-        raise UserError(
-            f"--auto_find_batch_size: even 1 example of {longest} tokens per device runs out of memory; lower "
-            "--max_length, add --gradient_checkpointing or --use_peft, or use FSDP to shard the model"
-        )
+    fix = "lower --max_length, add --gradient_checkpointing or --use_peft, or use FSDP to shard the model"
+    size, longest = probe.largest_that_fits(dataset, requested, reserve, "example", fix)
     if size == requested:
         logger.info(f"--auto_find_batch_size: {requested} examples of up to {longest} tokens per device fit in memory")
         return sizes
@@ -78,13 +73,8 @@ def _fit_eval_batch_size(sizes, probe, dataset, trainable: int) -> BatchSizes:
     """Evaluation runs between training steps, beside AdamW's moments: a decoder LLM that trains fine can run out of
     memory at its first evaluation. Halving only: the evaluation batch has no accumulation to make up for it."""
     requested = sizes.per_device_eval_batch_size
-    size = probe.largest_that_fits(dataset, requested, 2 * trainable, train=False)
-    longest = int(lengths_of(dataset).max())
-    if size == 0:
-        raise UserError(
-            f"--auto_find_batch_size: even 1 validation example of {longest} tokens per device runs out of memory "
-            "in evaluation; lower --max_length or use FSDP to shard the model"
-        )
+    fix = "lower --max_length or use FSDP to shard the model"
+    size, longest = probe.largest_that_fits(dataset, requested, 2 * trainable, "validation example", fix)
     if size < requested:
         logger.warning(
             f"--auto_find_batch_size: {requested} validation examples of up to {longest} tokens per device do not fit "
@@ -114,15 +104,20 @@ class _Probe:
     collator: Any
     task: Any
 
-    def largest_that_fits(self, dataset, requested: int, reserve: int, train: bool) -> int:
-        """The largest size, from `requested` down, whose step fits on every rank (0 if not even 1 does). Training
-        sizes stay divisors of `requested` (`next_smaller`); evaluation sizes halve."""
-        size = requested
+    def largest_that_fits(self, dataset, requested: int, reserve: int, what: str, fix: str) -> tuple[int, int]:
+        """(the largest size, from `requested` down, whose step fits on every rank, the longest example's tokens); an
+        error with `fix` if not even 1 `what` does. Training sizes stay divisors of `requested` (`next_smaller`);
+        evaluation sizes (of a validation `what`) halve."""
+        train, size = what == "example", requested
         while size and not self.step_fits(self.longest_batch(dataset, size), reserve, train):
             clear_device_cache(garbage_collection=True)  # the failed attempt's tensors, freed with its traceback
             size = next_smaller(size, requested) if train else size // 2
-        device = self.accelerator.device
-        return int(self.accelerator.gather(torch.tensor([size], device=device)).min())  # every rank takes the same
+        size = int(self.accelerator.gather(torch.tensor([size], device=self.accelerator.device)).min())  # every rank
+        longest = int(lengths_of(dataset).max())
+        if size == 0:
+            raise UserError(f"--auto_find_batch_size: even 1 {what} of {longest} tokens per device runs out of memory; "
+                            f"{fix}")  # fmt: skip
+        return size, longest
 
     def longest_batch(self, dataset, size: int) -> dict:
         longest = np.argsort(-lengths_of(dataset), kind="stable")[:size].tolist()

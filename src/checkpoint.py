@@ -283,5 +283,4 @@ def _earlier(path: Path) -> str:
 
 
 def newest_checkpoint(output_dir: Path) -> Path | None:
-    checkpoints = complete_checkpoints(output_dir) if Path(output_dir).is_dir() else []
-    return checkpoints[-1] if checkpoints else None
+    return (complete_checkpoints(output_dir) or [None])[-1]  # none in a folder that does not exist either

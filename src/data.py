@@ -133,11 +133,17 @@ def load_raw_splits(args) -> DatasetDict:
             )
         for name in splits:
             splits[name] = glue_labels(splits[name], args.task_name, args.label_column)
-    found = splits["train"].column_names
-    for flag in ("text_column", "text_pair_column", "label_column"):  # whatever task the data turns out to be
-        if getattr(args, flag) not in (None, *found):
-            raise UserError(f"--{flag} {getattr(args, flag)!r} is not in the data; its columns are: {', '.join(found)}")
+    check_column_flags(args, splits["train"].column_names)
     return splits
+
+
+def check_column_flags(args, column_names: list[str]):
+    """The columns that --text_column, --text_pair_column and --label_column name are in the data, whatever task
+    reads it (train.py: the training split; evaluate.py: the evaluated data)."""
+    for flag in ("text_column", "text_pair_column", "label_column"):
+        if getattr(args, flag) not in (None, *column_names):
+            raise UserError(f"--{flag} {getattr(args, flag)!r} is not in the data; its columns are: "
+                            f"{', '.join(column_names)}")  # fmt: skip
 
 
 def check_columns(splits: DatasetDict, record: dict):
@@ -159,15 +165,9 @@ def detect_columns(
     label_column: str | None = None,
     need_label: bool = True,
 ) -> tuple[str, str | None, str | None]:
-    """(text, text pair or None, label or None): the given names, checked, or the conventional ones found."""
+    """(text, text pair or None, label or None): the given names (checked by check_column_flags), or the conventional
+    ones found."""
     available = ", ".join(column_names)
-    for flag, name in (
-        ("--text_column", text_column),
-        ("--text_pair_column", text_pair_column),
-        ("--label_column", label_column),
-    ):
-        if name is not None and name not in column_names:
-            raise UserError(f"{flag} {name!r} is not in the data; its columns are: {available}")
     if text_column is None:
         pair = next((p for p in TEXT_PAIR_COLUMNS if p[0] in column_names and p[1] in column_names), None)
         single = next((c for c in SINGLE_TEXT_COLUMNS if c in column_names), None)

@@ -51,17 +51,14 @@ def errors_reach_every_rank(accelerator, timeout: float | None = None):
             mine = str(failure) if isinstance(failure, UserError) else f"{type(failure).__name__}: {failure}"
             mine = f"rank {accelerator.process_index}: {mine}"
         messages = [None] * accelerator.num_processes
-        dist.all_gather_object(messages, mine, group=_waiting_group(timeout))
+        # Ranks that wait on another's preparation wait on a gloo group with `timeout`; without one, on the run's group.
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if timeout else None
+        dist.all_gather_object(messages, mine, group=group)
         first = next((message for message in messages if message is not None), None)
         if failure is None and first is not None:
             raise UserError(first)
     if failure is not None:
         raise failure
-
-
-def _waiting_group(timeout: float | None):
-    """A gloo group with `timeout` for ranks that wait on another's preparation; None (the run's group) without one."""
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if timeout else None
 
 
 def run_cli(main, parse_args):

@@ -56,10 +56,5 @@ def _concatenate(values: list[torch.Tensor]) -> torch.Tensor:
 def evaluate_more(model, loaders: dict, accelerator, task) -> dict:
     """Metrics on further validation splits, each suffixed with the split's name: {'validation_mm': loader} gives
     eval_accuracy_mm (MNLI's mismatched set, evaluated once at the end as run_glue.py does)."""
-    results = {}
-    for name, loader in loaders.items():
-        suffix = name.removeprefix("validation_")
-        results.update(
-            {f"{key}_{suffix}": value for key, value in evaluate(model, loader, accelerator, task)[0].items()}
-        )
-    return results
+    return {f"{key}_{name.removeprefix('validation_')}": value for name, loader in loaders.items()
+            for key, value in evaluate(model, loader, accelerator, task)[0].items()}  # fmt: skip

@@ -33,7 +33,8 @@ def generate(model, prompts: list[list[int]], tokenizer, accelerator, batch_size
 
     dataloader = accelerator.prepare(build_eval_dataloader(dataset, collate, batch_size))
     # The tokenizer's EOS (which train.py appends to every answer) and the model's own, e.g. a chat model's end of turn.
-    stop = {tokenizer.eos_token_id, *_ids(model.generation_config.eos_token_id)}
+    eos = model.generation_config.eos_token_id  # one id, a list of them, or None
+    stop = {tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])}
     training = model.training
     model.eval()
     texts, seen = {}, 0
@@ -72,8 +73,3 @@ def _fit(prompts: list[list[int]], positions: int | None, max_new_tokens: int) -
         logger.warning(f"{cut} prompt(s) longer than the {room} tokens that the model's {positions} positions hold "
                        f"beside --generation_max_length {max_new_tokens} keep their last {room} tokens")  # fmt: skip
     return [prompt[-room:] for prompt in prompts]
-
-
-def _ids(value) -> list[int]:
-    """A generation config's eos_token_id: one id, a list of them, or None."""
-    return [] if value is None else [value] if isinstance(value, int) else list(value)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader, Sampler
-from transformers import DataCollatorWithPadding
+from transformers import DataCollatorForTokenClassification, DataCollatorWithPadding
 
 INDEX_COLUMN = "example_index"  # position in the evaluated data, so results can be put back in order
 LENGTH_COLUMN = "length"  # tokens per example, for batching by length without reading every token id
@@ -72,11 +72,13 @@ def padding_options(device: torch.device, pad_to_length: int | None = None) -> d
     return {"pad_to_multiple_of": 8 if device.type == "cuda" else None, "pad_to_length": pad_to_length}
 
 
-def padding_collator(tokenizer, pad_to_multiple_of=None, pad_to_length=None) -> DataCollatorWithPadding:
-    """Pads each batch to its longest example, or to `pad_to_length` (--pad_to_max_length) for fixed shapes."""
+def padding_collator(tokenizer, pad_to_multiple_of=None, pad_to_length=None, per_token=False):
+    """Pads each batch to its longest example, or to `pad_to_length` (--pad_to_max_length) for fixed shapes;
+    `per_token`: labels too, with -100 (token classification, causal LM)."""
+    kind = DataCollatorForTokenClassification if per_token else DataCollatorWithPadding
     if pad_to_length:
-        return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=pad_to_length)
-    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+        return kind(tokenizer, padding="max_length", max_length=pad_to_length)
+    return kind(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
 
 
 @dataclass
@@ -103,39 +105,28 @@ class PaddingColumnToo:
         return batch
 
 
-def _workers(num_workers: int) -> dict:
-    """DataLoader options for `num_workers` collating processes (--dataloader_num_workers), kept across epochs.
-
-    The sampler stays in this process, so batches, their order and an exact resume do not depend on the workers."""
-    return {"num_workers": num_workers, "persistent_workers": num_workers > 0}
+def _loader(dataset: Dataset, collator, batch_size: int, sampler, seed: int, num_workers: int) -> DataLoader:
+    """`num_workers` collating processes (--dataloader_num_workers), kept across epochs. The sampler stays in this
+    process, so batches, their order and an exact resume do not depend on the workers."""
+    return DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
+        # The loader's own generator: starting an epoch must not draw from the global RNG that dropout uses,
+        # or a resumed run would drop out different units than the uninterrupted one.
+        generator=torch.Generator().manual_seed(seed),
+        pin_memory=torch.cuda.is_available(),  # lets the non-blocking copy to the GPU really overlap
+        num_workers=num_workers, persistent_workers=num_workers > 0,
+    )  # fmt: skip
 
 
 def build_train_dataloader(dataset: Dataset, collator, batch_size: int, num_processes: int, seed: int,
                            group_by_length=True, accumulation=1, num_workers=0) -> DataLoader:  # fmt: skip
     update = batch_size * num_processes * accumulation  # the examples of one optimizer step
     sampler = LengthGroupedSampler(lengths_of(dataset), update, seed, group_by_length)
-    return DataLoader(
-        dataset.remove_columns([INDEX_COLUMN, LENGTH_COLUMN]),
-        batch_size=batch_size,
-        sampler=sampler,
-        collate_fn=collator,
-        # The loader's own generator: starting an epoch must not draw from the global RNG that dropout uses,
-        # or a resumed run would drop out different units than the uninterrupted one.
-        generator=torch.Generator().manual_seed(seed),
-        pin_memory=torch.cuda.is_available(),  # lets the non-blocking copy to the GPU really overlap
-        **_workers(num_workers),
-    )
+    return _loader(dataset.remove_columns([INDEX_COLUMN, LENGTH_COLUMN]), collator, batch_size, sampler, seed,
+                   num_workers)  # fmt: skip
 
 
 def build_eval_dataloader(dataset: Dataset, collator, batch_size: int, num_workers: int = 0) -> DataLoader:
     """Longest examples first, so batches hold similar lengths; `evaluate` puts results back in row order."""
     by_length = np.argsort(-lengths_of(dataset), kind="stable").tolist()
-    return DataLoader(
-        dataset.remove_columns(LENGTH_COLUMN),
-        batch_size=batch_size,
-        sampler=by_length,
-        collate_fn=collator,
-        generator=torch.Generator().manual_seed(0),
-        pin_memory=torch.cuda.is_available(),
-        **_workers(num_workers),
-    )
+    return _loader(dataset.remove_columns(LENGTH_COLUMN), collator, batch_size, by_length, 0, num_workers)

@@ -34,11 +34,6 @@ def head_modules(model) -> list[str]:
     ]
 
 
-def lora_targets(spec: str) -> str | list[str]:
-    """--lora_target_modules: peft's 'all-linear', or the comma-separated module names."""
-    return spec if spec == "all-linear" else [name.strip() for name in spec.split(",") if name.strip()]
-
-
 def add_lora(model, args, accelerator, task_type: str, new_head: bool) -> PeftModel:
     """LoRA adapters on the backbone; a new head (`new_head`: nothing to adapt) is trained in full and saved with
     them, where a pretrained one (a causal LM's) is adapted through the backbone. `task_type`: peft's (SEQ_CLS, ...).
@@ -47,6 +42,8 @@ def add_lora(model, args, accelerator, task_type: str, new_head: bool) -> PeftMo
     Adapters and head are kept in fp32 (peft upcasts adapters on a bf16/fp16 base; the head is cast here).
     """
     head = head_modules(model) if new_head else []
+    targets = args.lora_target_modules  # peft's 'all-linear', or the comma-separated module names
+    targets = targets if targets == "all-linear" else [name.strip() for name in targets.split(",") if name.strip()]
     for name in head:
         getattr(model, name).float()
     config = LoraConfig(
@@ -54,7 +51,7 @@ def add_lora(model, args, accelerator, task_type: str, new_head: bool) -> PeftMo
         r=args.lora_r,
         lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout,
-        target_modules=lora_targets(args.lora_target_modules),
+        target_modules=targets,
         modules_to_save=head,
         fan_in_fan_out=any(isinstance(module, Conv1D) for module in model.modules()),  # GPT-2's transposed linears
     )

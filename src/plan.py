@@ -3,7 +3,7 @@ probe found, the text length the model allows, the metric for the best model, an
 the sharded data. Built once, by `make_plan`, and saved with the flags; the flags themselves are never changed."""
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from src.errors import UserError
 
@@ -30,9 +30,6 @@ class Plan:
     max_train_steps: int
     num_epochs: int
     total_train_batch_size: int
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def best_metric(args, task) -> tuple[str, bool]:

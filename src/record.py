@@ -7,6 +7,7 @@ label weights, threshold). Folders of earlier versions hold the same keys, witho
 
 import hashlib
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 RECORD_FILE = "args.json"
@@ -15,7 +16,7 @@ DEFAULT_TASK = "sequence-classification"  # what folders written before tasks we
 
 def run_record(args, plan, task, hub_target=None) -> dict:
     record = {key: value for key, value in vars(args).items() if key != "hub_token"}
-    record |= plan.as_dict() | task.record() | {"task": task_spec(task)}
+    record |= asdict(plan) | task.record() | {"task": task_spec(task)}
     # What a resume compares of the data (src/checkpoint.py): the training file by its contents, so that a copy of it
     # elsewhere (a job's scratch folder) resumes, and whether validation rows are held out of it (no validation file).
     record["train_file_sha256"] = file_sha256(args.train_file) if args.train_file else None

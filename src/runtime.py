@@ -5,9 +5,11 @@
 
 import os
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator, PartialState
 
 from src.errors import UserError
 
@@ -41,10 +43,6 @@ def under_launcher() -> bool:
     return "LOCAL_RANK" in os.environ or "ACCELERATE_DYNAMO_BACKEND" in os.environ
 
 
-def local_world_size() -> int:
-    return next((int(os.environ[name]) for name in LOCAL_WORLD_SIZE_VARIABLES if name in os.environ), 1)
-
-
 def threads_chosen_by_user() -> int | None:
     """OMP_NUM_THREADS if a person chose it, None if it is unset or a launcher's default.
 
@@ -68,7 +66,8 @@ def threads_chosen_by_user() -> int | None:
 
 def set_cpu_threads(requested: int | None) -> int:
     """Give this process its share of the machine's cores, or what the user chose (`requested` is --cpu_threads)."""
-    threads = requested or threads_chosen_by_user() or max(1, physical_cores() // local_world_size())
+    local_world_size = next((int(os.environ[name]) for name in LOCAL_WORLD_SIZE_VARIABLES if name in os.environ), 1)
+    threads = requested or threads_chosen_by_user() or max(1, physical_cores() // local_world_size)
     torch.set_num_threads(threads)
     return threads
 
@@ -82,6 +81,22 @@ def refuse_fsdp_without_gpus():
             "accelerate_configs/fsdp.yaml (FSDP) needs GPUs and this machine has none (accelerate would quietly run "
             "without sharding): launch with --config_file accelerate_configs/cpu.yaml instead"
         )
+
+
+def make_accelerator(args, saved_precision: str | None, **options):
+    """The Accelerator (with `options`), why it has its precision (--mixed_precision, else `saved_precision`: the
+    run's, else as src/precision.py chooses), and the CPU threads each process uses."""
+    from src.precision import choose_precision
+
+    on_cpu = not torch.accelerator.is_available()
+    # Without cpu=True, torchrun or `--multi_gpu` on a machine without GPUs would start N unrelated
+    # single-process runs instead of N ranks of one. The process group comes first: rank 0 may time both
+    # precisions on this machine's threads, and every rank takes its answer.
+    PartialState(cpu=on_cpu, timeout=timedelta(seconds=args.ddp_timeout))
+    threads = set_cpu_threads(args.cpu_threads) if on_cpu else torch.get_num_threads()
+    precision, reason = choose_precision(args.mixed_precision, on_cpu, saved_precision)
+    with one_precision_per_process(precision):
+        return Accelerator(cpu=on_cpu, mixed_precision=precision, **options), reason, threads
 
 
 @contextmanager

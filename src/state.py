@@ -1,6 +1,6 @@
 """Where a run stands, as one typed record: saved with every checkpoint and restored as a whole on resume."""
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -26,9 +26,6 @@ class TrainState:
     def improved(self, value: float, greater_is_better: bool) -> bool:
         best = self.best_metric
         return best is None or (value > best if greater_is_better else value < best)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     @classmethod
     def from_dict(cls, saved: dict) -> "TrainState":

@@ -12,6 +12,7 @@ from accelerate import PartialState
 from conftest import REPO, WEIGHTS_ATOL, launch, run_in_process, run_model_card_snippet, train_args, write_rows
 from datasets import Dataset
 
+from src.data import check_column_flags
 from src.errors import UserError
 from src.model import default_model_path, load_tokenizer
 from src.plan import best_metric, learning_rate
@@ -71,7 +72,7 @@ def test_text_column_names_the_text_and_each_text_ends_with_one_eos(tokenizer):
     with pytest.raises(UserError, match=r"text column 'id' holds Value\('int64'\), not text: name a column of str"):
         CausalLM.from_data(options(text_column="id"), data).features(data, tokenizer, 64)
     with pytest.raises(UserError, match=r"--text_column 'title' is not in the data; its columns are: body"):
-        CausalLM.from_record(task.record(), options(text_column="title"), None, ["body"])
+        check_column_flags(options(text_column="title"), ["body"])
 
     bert = CausalLM(TEXT).load_tokenizer(default_model_path(), options())
     ids = task.features(data.select([0]), bert, 64)["input_ids"][0]

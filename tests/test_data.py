@@ -8,7 +8,7 @@ from conftest import sentiment_rows, write_rows
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from src.data import detect_columns, load_file
+from src.data import check_column_flags, detect_columns, load_file
 from src.demo_data import make_demo_splits
 from src.errors import UserError
 from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, LengthGroupedSampler, build_train_dataloader, padding_collator
@@ -67,7 +67,9 @@ def test_missing_columns_list_what_exists():
     with pytest.raises(UserError, match="no label column found among: review, stars; name it with --label_column"):
         detect_columns(["review", "stars"], text_column="review")
     with pytest.raises(UserError, match="--label_column 'score' is not in the data; its columns are: review, stars"):
-        detect_columns(["review", "stars"], text_column="review", label_column="score")
+        check_column_flags(
+            SimpleNamespace(text_column="review", text_pair_column=None, label_column="score"), ["review", "stars"]
+        )
     assert detect_columns(["review"], text_column="review", need_label=False) == ("review", None, None)
 
 

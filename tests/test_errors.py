@@ -11,6 +11,7 @@ import pytest
 from accelerate import PartialState
 from conftest import REPO, free_port, launch, load_script, run_process, sentiment_rows, train_args, write_rows
 
+import src.runtime
 from src.checkpoint import newest_checkpoint
 from src.errors import main_process_first
 
@@ -252,7 +253,7 @@ def test_the_timeouts_reach_the_process_group(monkeypatch, tiny_model, tmp_path)
 
     seen = []
     monkeypatch.setattr(
-        train, "PartialState", lambda **kwargs: seen.append(kwargs["timeout"]) or PartialState(cpu=True)
+        src.runtime, "PartialState", lambda **kwargs: seen.append(kwargs["timeout"]) or PartialState(cpu=True)
     )
     args = train.parse_train_args(["--model_name_or_path", str(tiny_model), "--ddp_timeout", "77",
                                    "--mixed_precision", "no", "--output_dir", str(tmp_path)])  # fmt: skip

@@ -78,13 +78,13 @@ class Task:
         return self.name
 
     # --- the model ---
-    def load_tokenizer(self, name_or_path: str, args):
+    def load_tokenizer(self, name_or_path: str, args, **options):
         from src.model import load_tokenizer
 
         # train.py passes --tokenizer_name, which is --model_name_or_path unless given apart (or for a new model).
         given_apart = name_or_path != getattr(args, "model_name_or_path", None)
         flag = "--tokenizer_name" if given_apart else "--model_name_or_path"
-        return load_tokenizer(name_or_path, trust_remote_code=args.trust_remote_code, flag=flag)
+        return load_tokenizer(name_or_path, trust_remote_code=args.trust_remote_code, flag=flag, **options)
 
     def config_fields(self) -> dict:
         """What the model's config must carry for this task (number of labels, their names)."""

@@ -23,7 +23,7 @@ from datasets import Dataset, Value
 
 from src.args import Switch
 from src.errors import UserError
-from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, PaddingColumnToo
+from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, PaddingColumnToo, padding_collator
 from src.tasks.base import Step, Task
 
 logger = get_logger(__name__)
@@ -51,7 +51,6 @@ class CausalLM(Task):
     top_level_metrics = ("perplexity",)  # where run_clm_no_trainer.py writes it
     predicts_next_token = True
     name = "causal-lm"
-    main_metric = "loss"
     default_max_length = 1024  # most SFT rows are longer than a classifier's 128 tokens
     default_learning_rate = 2e-5  # TRL's SFTTrainer's: a pretrained LM's head is not new, as a classifier's is
 
@@ -126,9 +125,6 @@ class CausalLM(Task):
 
     @classmethod
     def from_record(cls, record: dict, args, model_dir, column_names: list[str]) -> "CausalLM":
-        if args.text_column and args.text_column not in column_names:
-            raise UserError(f"--text_column {args.text_column!r} is not in the data; its columns are: "
-                            f"{', '.join(column_names)}")  # fmt: skip
         # The text column named, or the one the model was trained on, where the data has it; else as train.py finds.
         text_column = next((c for c in (args.text_column, record.get("text_column")) if c in column_names), None)
         fmt = TEXT if text_column else _format_of(column_names)
@@ -219,12 +215,9 @@ class CausalLM(Task):
         return packed
 
     def collator(self, tokenizer, pad_to_multiple_of=None, pad_to_length=None):
-        from transformers import DataCollatorForTokenClassification
-
         # Labels padded with -100 by position: with EOS as the padding token, masking by value would hide every EOS
         # the model must learn to write (transformers' language-modeling collator does; trl #1623).
-        padding = {"padding": "max_length", "max_length": pad_to_length} if pad_to_length else {}
-        pad = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of, **padding)
+        pad = padding_collator(tokenizer, pad_to_multiple_of, pad_to_length, per_token=True)
         # Packed rows' position ids are padded with 0 where the tokens are padded, so that each padding token is a
         # sequence of its own, which no example attends to.
         return PaddingColumnToo(pad, "position_ids", 0, tokenizer.padding_side)

@@ -11,7 +11,7 @@ from datasets import ClassLabel, Dataset, LargeList, List, Sequence, Value
 
 from src.args import Switch
 from src.errors import UserError
-from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, PaddingColumnToo
+from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, PaddingColumnToo, padding_collator
 from src.tasks.base import Step, Task, label_finder
 
 logger = get_logger(__name__)
@@ -95,8 +95,6 @@ class TokenClassification(Task):
         names = tuple(config.id2label[i] for i in range(config.num_labels))
         words = args.text_column or record.get("text_column")
         tags = args.label_column or record.get("label_column")
-        if args.label_column and args.label_column not in column_names:
-            raise UserError(f"--label_column {tags!r} is not in the data; its columns are: {', '.join(column_names)}")
         columns = (words, tags if tags in column_names else None)
         if words not in column_names:
             raise UserError(f"the data has no column {words!r} of words (its columns: {', '.join(column_names)}): name "
@@ -122,13 +120,11 @@ class TokenClassification(Task):
 
     # --- the model ---
     def load_tokenizer(self, name_or_path: str, args):
-        from src.model import load_tokenizer
-
-        tokenizer = load_tokenizer(name_or_path, trust_remote_code=args.trust_remote_code)
+        tokenizer = super().load_tokenizer(name_or_path, args)
         if getattr(tokenizer, "add_prefix_space", None) is False:
             # Byte-level BPE (GPT-2, RoBERTa) reads a word differently at the start of a text and after a space; words
             # given one by one need the space (transformers #9607).
-            tokenizer = load_tokenizer(name_or_path, trust_remote_code=args.trust_remote_code, add_prefix_space=True)
+            tokenizer = super().load_tokenizer(name_or_path, args, add_prefix_space=True)
         return tokenizer
 
     def config_fields(self) -> dict:
@@ -217,10 +213,7 @@ class TokenClassification(Task):
         return features.remove_columns(WORD_IDS)
 
     def collator(self, tokenizer, pad_to_multiple_of=None, pad_to_length=None):
-        from transformers import DataCollatorForTokenClassification
-
-        padding = {"padding": "max_length", "max_length": pad_to_length} if pad_to_length else {}
-        pad = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of, **padding)
+        pad = padding_collator(tokenizer, pad_to_multiple_of, pad_to_length, per_token=True)
         return PaddingColumnToo(pad, WORD_IDS, IGNORE, tokenizer.padding_side)
 
     # --- one batch ---
