@@ -260,6 +260,11 @@ def start_or_resume(args, accelerator, task, resume_path, record: dict, batches_
     state = TrainState(num_processes=accelerator.num_processes)
     if resume_path:
         state = load_checkpoint(accelerator, resume_path, record, task_settings=task.record())
+        if state.best_checkpoint:  # beside the checkpoint resumed from: its folder may have moved, or be another run's
+            state.best_checkpoint = str(resume_path.parent / Path(state.best_checkpoint).name)
+            if args.load_best_model_at_end and not Path(state.best_checkpoint).is_dir():
+                raise UserError(f"--load_best_model_at_end: the run's best checkpoint so far, {state.best_checkpoint}, "
+                                f"is not beside {resume_path}: put it there, or resume without the flag")  # fmt: skip
         if state.batches_in_epoch >= batches_per_epoch:
             state.epoch, state.batches_in_epoch = state.epoch + 1, 0
     # Trackers first: one that cannot start (say, wandb without an API key) stops the run before an old one is removed.
@@ -469,9 +474,8 @@ def finish_training(run: Run) -> dict:
         logger.info(f"Early stopping at step {run.state.global_step}: {run.early_stop}")
     state = run.state
     if run.args.load_best_model_at_end and state.best_checkpoint:
-        # Found by its name in --output_dir: the run may have been resumed from a folder that moved since.
-        best_checkpoint = run.args.output_dir / Path(state.best_checkpoint).name
-        run.accelerator.load_state(str(best_checkpoint))
+        best_checkpoint = state.best_checkpoint
+        run.accelerator.load_state(best_checkpoint)
         run.eval_metrics = state.best_metrics
         direction = "higher" if run.plan.greater_is_better else "lower"  # a task's lower_is_better, or the flag
         best = f"{run.plan.metric_for_best_model} = {state.best_metric:.4f}, {direction} is better"

@@ -4,6 +4,7 @@ Best model, rotation and early stopping on 2 ranks: test_distributed.py (the sha
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -163,17 +164,28 @@ def test_patience_that_runs_out_on_a_timed_out_step_ends_the_run_as_without_the_
     assert all(torch.equal(final[k], expected[k]) for k in expected)
 
 
-def test_the_best_model_is_found_in_a_resumed_run_s_folder_that_moved(tiny_model, data, tmp_path):
+def test_the_best_model_is_found_beside_the_checkpoint_resumed_from(tiny_model, data, tmp_path):
     """A job requeued with its output copied elsewhere (or started from another directory) resumes from the new
-    folder; the best checkpoint recorded in the old one is looked up there, by name."""
+    folder, and a run may resume another folder's checkpoint into its own --output_dir: the best checkpoint so far is
+    the one of that name beside the checkpoint resumed from."""
     flags = ["--eval_steps", "1", "--metric_for_best_model", "loss", "--load_best_model_at_end", "--max_train_steps",
              "3"]  # fmt: skip
     with pytest.raises(SystemExit):  # stopped by the clock after step 1, its best so far
         run_main(*train_args(tiny_model, *data, tmp_path / "old", *flags, "--max_time", "1e-9"))
     (tmp_path / "old").rename(tmp_path / "new")
+    shutil.copytree(tmp_path / "new", tmp_path / "copy")
     resumed = run_main(*train_args(tiny_model, *data, tmp_path / "new", *flags, "--resume_from_checkpoint", "latest"))
     whole = run_main(*train_args(tiny_model, *data, tmp_path / "whole", *flags))
     assert resumed["eval_loss"] == whole["eval_loss"]
+    elsewhere = [*flags, "--resume_from_checkpoint", str(tmp_path / "copy" / "checkpoint-1")]
+    assert run_main(*train_args(tiny_model, *data, tmp_path / "other", *elsewhere))["eval_loss"] == whole["eval_loss"]
+    # The checkpoint without the best one beside it (renamed here): found out before training, not after it.
+    (tmp_path / "copy" / "checkpoint-1").rename(tmp_path / "copy" / "checkpoint-one")
+    latest = [*flags, "--resume_from_checkpoint", str(tmp_path / "copy" / "checkpoint-one")]
+    with pytest.raises(
+        train.UserError, match=r"best checkpoint so far, .*checkpoint-1, is not beside .*checkpoint-one"
+    ):
+        run_main(*train_args(tiny_model, *data, tmp_path / "fresh", *latest))
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused_until_the_first_ends(tiny_model, data, tmp_path):
