@@ -490,6 +490,18 @@ def test_pad_to_max_length_pads_every_batch(tmp_path, tiny_model):
     assert {tuple(b["input_ids"].shape[1:]) for loader in loaders for b in loader} == {(24,)}
     dynamic = build_eval_dataloader(dataset, task.collator(tokenizer, **padding_options(torch.device("cpu"))), 8)
     assert max(b["input_ids"].shape[1] for b in dynamic) < 24
+    # Every task's batches are --max_length long, also where a GPU rounds dynamic padding up to a multiple of 8.
+    from src.tasks.causal_lm import TEXT, CausalLM
+    from src.tasks.token_classification import TokenClassification
+
+    on_gpu = padding_options(torch.device("cuda"), 10)
+    tagger = TokenClassification(("B-X", "O"), ("tokens", "tags"))
+    tagged = Dataset.from_list([{"tokens": ["a", "b"], "tags": ["O", "B-X"]}])
+    lm, texts = CausalLM(TEXT), Dataset.from_list([{"text": "a b"}])
+    for other, data in ((tagger, tagged), (lm, texts)):
+        own = other.load_tokenizer(str(tiny_model), SimpleNamespace(trust_remote_code=False))  # a causal LM's EOS
+        rows = other.training_rows(other.features(data, own, 10), 10).remove_columns(["example_index", "length"])
+        assert other.collator(own, **on_gpu)(list(rows))["input_ids"].shape == (1, 10)
 
 
 def test_sts_b_scores_are_regression_even_as_integers(tmp_path, tiny_model):

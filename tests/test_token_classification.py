@@ -188,6 +188,9 @@ def test_a_task_that_does_not_fit_the_data_is_one_line(tmp_path, tiny_model):
     # A column name that the data does not have is named, whichever task the other columns suggest.
     with pytest.raises(UserError, match="--text_column 'words' is not in the data; its columns are: tokens, ner_tags"):
         run_in_process("train", [*train_args(tiny_model, train, train, tmp_path / "q"), "--text_column", "words"])
+    apart = types.SimpleNamespace(model_name_or_path=str(tiny_model), trust_remote_code=False)
+    with pytest.raises(UserError, match=f"--tokenizer_name {tmp_path / 'none'}: cannot load a tokenizer"):
+        TokenClassification(("O",), ("tokens", "ner_tags")).load_tokenizer(str(tmp_path / "none"), apart)
 
 
 def test_a_flag_of_another_task_than_the_one_found_is_refused(tmp_path, tiny_model):
