@@ -7,12 +7,14 @@ import shutil
 import pytest
 import torch
 from conftest import LOSS_ATOL, launch, load_script, run_in_process, sentiment_files, train_args
+from datasets import Dataset
 from safetensors.torch import load_file
 
 from src.args import parse_train_args
 from src.errors import UserError
 from src.record import task_spec
-from src.tasks import TASKS, task_class
+from src.tasks import TASKS, detect_task, task_class
+from src.tasks.base import Task
 from src.tasks.sequence_classification import SequenceClassification
 
 TASK = "examples.custom_task:BagOfWordsClassification"
@@ -82,6 +84,22 @@ def test_a_task_is_a_listed_name_or_an_import_path():
         with pytest.raises(UserError, match=says):
             task_class(wrong)
     assert set(TASKS) == {"sequence-classification", "token-classification", "causal-lm"}
+
+
+class PairScores(Task):
+    """A task added as docs/data_and_tasks.md says: one line at the end of TASKS."""
+
+    @staticmethod
+    def recognises(train, label_column=None):
+        return "two texts and a score" if {"a", "b", "score"} <= set(train.column_names) else None
+
+
+def test_a_task_added_to_the_list_is_found_before_sequence_classification(monkeypatch):
+    """Sequence classification takes any text with a label, so it is asked last, wherever the new line goes."""
+    monkeypatch.setitem(TASKS, "pair-scores", f"{__name__}:PairScores")
+    pairs = Dataset.from_list([{"a": "a cat", "b": "a dog", "score": 0.5}])
+    assert detect_task(pairs) == (PairScores, "two texts and a score")
+    assert detect_task(Dataset.from_list([{"text": "good", "label": "pos"}]))[0] is SequenceClassification
 
 
 class SmoothedClassification(SequenceClassification):

@@ -32,6 +32,8 @@ def task_class(spec: str):
 
 
 def detect_task(train, label_column: str | None = None):
-    """--task auto: (the first listed task that recognises the training rows, why); sequence classification last.
+    """--task auto: (the first listed task that recognises the training rows, why), asking sequence classification,
+    which takes any text with a label, after every other task wherever it is listed.
     `label_column`: --label_column, which makes a column labels (a `text` column beside it is not text to learn)."""
-    return next((cls, why) for cls in map(task_class, TASKS) if (why := cls.recognises(train, label_column)))
+    in_order = sorted(TASKS, key=lambda name: name == "sequence-classification")
+    return next((cls, why) for cls in map(task_class, in_order) if (why := cls.recognises(train, label_column)))
