@@ -46,7 +46,7 @@ from src.model_card import write_model_card
 from src.optimizer import build_optimizer, build_scheduler, count_parameters, use_sharded_parameters
 from src.plan import BatchSizes, Plan, learning_rate, make_plan
 from src.record import run_record
-from src.reporting import append_jsonl, keep_records_up_to, read_jsonl, setup_logging, tracker_run_name, write_json
+from src.reporting import append_jsonl, keep_records_up_to, read_jsonl, setup_logging, tracker_project, write_json
 from src.runtime import make_accelerator, refuse_fsdp_without_gpus
 from src.signals import StopSignals, StopVote
 from src.state import TrainState
@@ -269,7 +269,8 @@ def start_or_resume(args, accelerator, task, resume_path, record: dict, batches_
             state.epoch, state.batches_in_epoch = state.epoch + 1, 0
     # Trackers first: one that cannot start (say, wandb without an API key) stops the run before an old one is removed.
     hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in record.items()}
-    accelerator.init_trackers(tracker_run_name(args.report_to, args.output_dir), hparams)
+    named = {"wandb": {"name": args.output_dir.name}}  # W&B's run named after the output folder, as Trainer's
+    accelerator.init_trackers(tracker_project(args.report_to, args.output_dir), hparams, init_kwargs=named)
     if is_checkpoint_writer(accelerator, args.save_on_each_node):
         remove_checkpoints(args.output_dir, only_incomplete=not args.overwrite_output_dir)
     if accelerator.is_main_process:

@@ -15,7 +15,7 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from src.checkpoint import LOCK_FILE
 from src.errors import UserError, main_process_first
-from src.reporting import tracker_run_name
+from src.reporting import tracker_project
 
 logger = get_logger(__name__)
 
@@ -96,7 +96,7 @@ def push_to_hub(args, accelerator, target: HubTarget | None):
     logger.info(f"Uploading {args.output_dir} to https://huggingface.co/{target.repo_id}")
     # Checkpoints are for resuming here (optimizer states, several GB for large models); TensorBoard's event files
     # are noise on a model page. The final weights, tokenizer, card, results, args.json and curves go up.
-    local_only = ["checkpoint-*", tracker_run_name(args.report_to, args.output_dir)]
+    local_only = ["checkpoint-*", tracker_project(args.report_to, args.output_dir)]
     try:
         HfApi().upload_folder(
             repo_id=target.repo_id,

@@ -5,16 +5,18 @@ The writing and plotting functions are called on the main process only.
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import datasets
 import transformers
 
 
-def tracker_run_name(report_to: str, output_dir: Path) -> str:
-    """The name trackers file the run under. TensorBoard writes into output_dir/<this name>: `tensorboard/` when it
-    is the only tracker; with --report_to all the other trackers' runs are named after the output folder."""
-    return "tensorboard" if report_to == "tensorboard" else Path(output_dir).name
+def tracker_project(report_to: str, output_dir: Path) -> str:
+    """The project name Accelerate gives every tracker. TensorBoard writes into output_dir/<this name>: `tensorboard/`
+    when it is the only tracker. Otherwise the project that WANDB_PROJECT names, where W&B users set it (Accelerate
+    hands W&B this name, which would override the variable), or the output folder's name."""
+    return "tensorboard" if report_to == "tensorboard" else os.environ.get("WANDB_PROJECT") or Path(output_dir).name
 
 
 def setup_logging():

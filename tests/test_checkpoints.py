@@ -57,7 +57,8 @@ def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkey
     assert before == run_files(out), "nothing touched"
 
     # A tracker that cannot start (wandb without an API key, say) stops the run before the old one is removed.
-    def refuse(*args, **kwargs):
+    def refuse(self, project, config, init_kwargs):
+        assert init_kwargs == {"wandb": {"name": "out"}}  # W&B's run named after the folder, as Trainer names it
         raise RuntimeError("tracker refused to start")
 
     with monkeypatch.context() as patch:

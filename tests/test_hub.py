@@ -19,6 +19,7 @@ from src.hub import HubTarget, check_hub_access, push_to_hub
 from src.model_card import write_model_card
 from src.plan import Plan
 from src.record import run_record
+from src.reporting import tracker_project
 from src.tasks.sequence_classification import SINGLE_LABEL, SequenceClassification
 
 train = load_script("train")
@@ -174,6 +175,15 @@ def test_with_every_tracker_the_tensorboard_logs_stay_local_too(fake_hub, tmp_pa
         (out / name).write_text("x")
     push_to_hub(SimpleNamespace(output_dir=out, report_to="all"), one_process, HubTarget("alice/run", SECRET))
     assert fake_hub.uploaded["files"] == ["model.safetensors"]
+
+
+def test_trackers_file_the_run_in_the_project_wandb_project_names(monkeypatch, tmp_path):
+    """As Trainer's W&B runs; Accelerate hands W&B its project name, which would override the variable."""
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    assert tracker_project("wandb", tmp_path / "my-run") == "my-run"
+    monkeypatch.setenv("WANDB_PROJECT", "team")
+    assert tracker_project("wandb", tmp_path / "my-run") == tracker_project("all", tmp_path / "my-run") == "team"
+    assert tracker_project("tensorboard", tmp_path / "my-run") == "tensorboard"
 
 
 def test_a_failed_upload_says_where_the_model_is(fake_hub, tmp_path, one_process):
