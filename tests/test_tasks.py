@@ -95,7 +95,7 @@ def test_lists_of_labels_mean_multi_label(tmp_path):
         detect_task(Dataset.from_dict({"text": ["a", "b"], "label": ["pos", "pos"]}), "label")
 
 
-def test_labels_with_commas_in_a_csv_are_classes_and_say_how_to_give_lists(tmp_path, caplog):
+def test_labels_with_commas_in_a_csv_are_classes_and_say_how_to_give_lists(tmp_path, caplog, tiny_model):
     from accelerate import PartialState
 
     rows = [{"text": "a", "labels": "neg,long"}, {"text": "b", "labels": "pos"}]
@@ -104,6 +104,13 @@ def test_labels_with_commas_in_a_csv_are_classes_and_say_how_to_give_lists(tmp_p
         task = detect_task(load_file(write_rows(tmp_path / "c.csv", rows)), "labels")
     assert task.problem_type == SINGLE_LABEL and task.label_names == ("neg,long", "pos")
     assert "hold commas ('neg,long'): each is one class; for multi-label, give lists of labels" in caplog.text
+    # Tags of a sentence's words in one CSV cell: as many classes as sentences, which a tagger's user would not see.
+    tagged = [{"text": f"w{i} x", "bio": f"B-PER O{' O' * (i % 5)} I-{i}"} for i in range(40)]
+    with caplog.at_level("WARNING"):
+        task = detect_task(load_file(write_rows(tmp_path / "t.csv", tagged)), "bio")
+    assert "holds 40 classes, most with spaces ('B-PER O" in caplog.text and "for token classification" in caplog.text
+    with pytest.raises(UserError, match=r"not among the model's labels \(B-PER O I-0, .*, \.\.\.\), those of its"):
+        task.features(Dataset.from_list([{"text": "a", "bio": "O"}]), AutoTokenizer.from_pretrained(tiny_model), 8)
 
 
 def test_multi_label_encoding_loss_and_predictions(tmp_path, tiny_model):

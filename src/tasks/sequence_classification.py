@@ -216,8 +216,8 @@ class SequenceClassification(Task):
             if unknown:
                 raise UserError(
                     f"label(s) {', '.join(unknown[:10])} in column {label_column!r} are not among the model's "
-                    f"labels ({', '.join(self.label_names)}), those of its training data: drop those rows, or train on "
-                    "data that has them"
+                    f"labels ({', '.join(self.label_names[:30])}{', ...' if self.num_labels > 30 else ''}), those of "
+                    "its training data: drop those rows, or train on data that has them"
                 )
             if multi_label:  # multi-hot floats, the targets of BCE-with-logits
                 chosen_ids = [{id_of(n) for n in row} for row in names]
@@ -390,6 +390,12 @@ def _single_value_task(cls, dataset: Dataset, label_column: str, feature) -> Seq
             logger.warning(
                 f"labels in {label_column!r} hold commas ({commas[0]!r}): each is one class; for multi-label, give "
                 "lists of labels in a .jsonl or .parquet file"
+            )
+        spaced = [value for value in values if " " in value.strip()]
+        if len(values) > 20 and 2 * len(spaced) > len(values):  # "B-PER O O": a CSV cell of tags, one per word
+            logger.warning(
+                f"label column {label_column!r} holds {len(values)} classes, most with spaces ({spaced[0]!r}): each is "
+                "one class; for token classification, give lists of words and tags in a .jsonl or .parquet file"
             )
         return cls(SINGLE_LABEL, tuple(sorted(values)))
     raise UserError(f"label column {label_column!r} has type {feature.dtype}; use integers, strings or floats")
