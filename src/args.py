@@ -462,7 +462,7 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     checkpoints.add_argument(
         "--save_total_limit",
         type=_positive_int,
-        help="Keep only the newest N checkpoints (and the best one, with --load_best_model_at_end).",
+        help="Keep only N checkpoints: the newest, and with --load_best_model_at_end the best among them (N=1: both).",
     )
     checkpoints.add_argument(
         "--resume_from_checkpoint", help="A checkpoint folder, or 'latest' for the newest one in --output_dir."

@@ -139,12 +139,15 @@ def save_checkpoint(accelerator, output_dir: Path, state: dict, is_writer: bool,
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
-        if save_total_limit:
-            keep = {Path(state["best_checkpoint"]).name} if state.get("best_checkpoint") else set()
+        if save_total_limit:  # Trainer's rule: K in all, but never the newest (to resume from) nor the best
             checkpoints = complete_checkpoints(output_dir)
-            for old in checkpoints[: max(0, len(checkpoints) - save_total_limit)]:
-                if old.name not in keep:
-                    shutil.rmtree(old)
+            names = {checkpoint.name for checkpoint in checkpoints}
+            protected = {final.name, Path(state.get("best_checkpoint") or final).name} & names
+            surplus = len(checkpoints) - max(save_total_limit, len(protected))
+            for old in [checkpoint for checkpoint in checkpoints if checkpoint.name not in protected][
+                : max(0, surplus)
+            ]:
+                shutil.rmtree(old)
     # No rank returns (and perhaps exits after a stop signal) before the checkpoint is renamed: a job step
     # whose first launcher exits can be torn down with everything in it (srun --kill-on-bad-exit).
     accelerator.wait_for_everyone()

@@ -29,10 +29,10 @@ def run_files(out) -> dict:
     return {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
 
 
-@pytest.mark.parametrize("limit", [1, 2])
+@pytest.mark.parametrize("limit", [1, 3])
 def test_rotation_keeps_the_newest_and_the_best(tiny_model, data, tmp_path, limit):
-    """Trainer's rule: the best checkpoint is kept on top of the newest --save_total_limit ones, so a limit of 1
-    keeps the best and the newest (to resume from), as Trainer does."""
+    """Trainer's rule: --save_total_limit checkpoints in all, the best and the newest (to resume from) among them, so
+    a limit of 1 keeps those two."""
     out = tmp_path / "out"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "1",
                          "--eval_steps", "2", "--save_total_limit", str(limit), "--metric_for_best_model", "loss",
@@ -40,7 +40,7 @@ def test_rotation_keeps_the_newest_and_the_best(tiny_model, data, tmp_path, limi
     evaluations = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
     best = min(evaluations, key=lambda r: r["eval_loss"])
     assert best["step"] < 7, "this data makes an early evaluation the best"
-    newest = [f"checkpoint-{step}" for step in range(9 - limit, 9)]
+    newest = [f"checkpoint-{step}" for step in range(9 - max(1, limit - 1), 9)]  # and the best
     assert sorted(p.name for p in out.glob("checkpoint-*")) == sorted({f"checkpoint-{best['step']}", *newest})
     kept = load_file(out / f"checkpoint-{best['step']}" / "model.safetensors")
     final = load_file(out / "model.safetensors")
