@@ -123,6 +123,13 @@ def test_multi_label_encoding_loss_and_predictions(tmp_path, tiny_model):
     assert encoded["labels"] == expected
     upper = tuple(name.upper() for name in task.label_names)
     assert replace(task, label_names=upper).features(data, tokenizer, 16)["labels"] == expected
+    # A parquet file's Arrow large types in a column called `labels`: the multi-hot rows stay numbers, not strings.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lists = pa.array([row["labels"] for row in ticket_rows(6, seed=0)], pa.large_list(pa.large_string()))
+    pq.write_table(pa.table({"text": data["text"], "labels": lists}), tmp_path / "large.parquet")
+    assert task.features(load_file(tmp_path / "large.parquet"), tokenizer, 16)["labels"] == expected
 
     logits, targets = torch.tensor([[2.0, -1.0], [0.1, -0.3]]), torch.tensor([[1.0, 0.0], [0.0, 0.0]])
     weighted = SequenceClassification(MULTI_LABEL, ("a", "b"), class_weights=(3.0, 0.5), threshold=0.5)
@@ -137,6 +144,17 @@ def test_multi_label_encoding_loss_and_predictions(tmp_path, tiny_model):
     single = load_file(write_rows(tmp_path / "s.csv", sentiment_rows(4)))
     with pytest.raises(UserError, match="holds one label per row, but the model does multi-label"):
         replace(task, columns=("sentence", None, "label")).features(single, tokenizer, 16)
+
+
+@pytest.mark.parametrize("label", ["NaN", "Infinity", '"high"'])
+def test_a_regression_target_that_is_no_finite_number_is_one_line(tmp_path, tiny_model, label):
+    """A NaN (what json.dumps writes for float("nan")) in validation rows trained to the end and failed in the
+    metrics; in training rows it was reported as a diverging loss."""
+    path = tmp_path / "scores.jsonl"
+    path.write_text(f'{{"text": "a", "label": 0.5}}\n{{"text": "b", "label": {label}}}\n')
+    task = SequenceClassification(REGRESSION, columns=("text", None, "label"))
+    with pytest.raises(UserError, match="label column 'label' holds .*(finite numbers|give numbers)"):
+        task.features(load_file(path), AutoTokenizer.from_pretrained(tiny_model), 8)
 
 
 def test_whole_numbers_written_as_floats_train_a_regression_and_say_so(tmp_path, caplog):

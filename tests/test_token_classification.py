@@ -153,6 +153,34 @@ def test_tags_by_number_a_label_column_and_null_words_or_tags():
             task.features(Dataset.from_list(rows), tokenizer, 16)
 
 
+def test_tags_in_a_csv_in_arrow_large_types_and_a_few_tags_that_are_not_iob(tmp_path, caplog):
+    """Validation or evaluation data from a CSV is one line, as training data is; a parquet file's large types in a
+    column called `labels` keep the tag ids numbers; a few rows' slips out of IOB are said (entity F1 is lost)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from src.data import load_file
+
+    tokenizer = load_tokenizer(default_model_path())
+    task = TokenClassification(("B-LOC", "O"), ("tokens", "labels"))
+    (tmp_path / "dev.csv").write_text('tokens,labels\n"in York","O B-LOC"\n')
+    with pytest.raises(
+        UserError, match=r"column 'tokens' holds Value\('(large_)?string'\), not a list of words per row"
+    ):
+        task.features(load_file(tmp_path / "dev.csv"), tokenizer, 16)
+    large = pa.large_list(pa.large_string())
+    table = pa.table({"tokens": pa.array([["in", "York"]], large), "labels": pa.array([["O", "B-LOC"]], large)})
+    pq.write_table(table, tmp_path / "dev.parquet")
+    assert [
+        t for t in task.features(load_file(tmp_path / "dev.parquet"), tokenizer, 16)[0]["labels"] if t != IGNORE
+    ] == [1, 0]
+    PartialState(cpu=True)  # accelerate's logger, which says it on the main process only
+    rows = [{"tokens": ["a", "b", "c"], "ner_tags": ["B-LOC", "I-LOC", "O"]}, {"tokens": ["d"], "ner_tags": ["b-loc"]}]
+    with caplog.at_level("WARNING"):
+        TokenClassification.from_data(flags(), Dataset.from_list(rows))
+    assert "'ner_tags' holds IOB entity tags and 'b-loc', which are not: scored per word" in caplog.text
+
+
 def test_entity_level_metrics_of_tags_that_are_not_iob_are_refused():
     data = Dataset.from_list([{"tokens": ["I", "ran"], "upos": ["PRON", "VERB"]}])
     with pytest.raises(UserError, match=r"--return_entity_level_metrics scores entities of IOB tags .* 'upos' holds"):

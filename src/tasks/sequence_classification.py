@@ -209,7 +209,7 @@ class SequenceClassification(Task):
                 return encoded
             raw = rows[label_column]
             if self.is_regression:
-                encoded["labels"] = [float(v) for v in raw]
+                encoded["labels"] = [_score(v, label_column) for v in raw]
                 return encoded
             names = [name_of(v) for v in raw]
             unknown = sorted({n for row in names for n in (row if multi_label else [row]) if id_of(n) is None})
@@ -230,8 +230,9 @@ class SequenceClassification(Task):
                               num_proc=num_proc, desc="Tokenizing")  # fmt: skip
         # datasets types an output column as the input column of the same name: strings in a column called `labels`
         # (the class names, or another column beside --label_column) would leave the class ids written as strings.
-        if encoded.features.get("labels") in (Value("string"), Value("large_string")):
-            encoded = encoded.cast_column("labels", Value("int64"))
+        typed = Value("float64") if self.is_regression else List(Value("float64")) if multi_label else Value("int64")
+        if encoded.features.get("labels") not in (None, typed):
+            encoded = encoded.cast_column("labels", typed)
         return encoded
 
     # --- one batch ---
@@ -366,6 +367,19 @@ def label_namer(dataset: Dataset, label_column: str):
         return [name(v) for v in value] if multi_label else name(value)
 
     return of_row, multi_label
+
+
+def _score(value, label_column: str) -> float:
+    """A regression target: a finite number (a NaN would train to the end and fail in the metrics)."""
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"label column {label_column!r} holds {value!r}, and the model does regression: give numbers "
+                        "(or train a classifier on these labels)") from None  # fmt: skip
+    if not math.isfinite(score):
+        raise UserError(f"label column {label_column!r} holds {value}: regression needs finite numbers; fix or drop "
+                        "those rows")  # fmt: skip
+    return score
 
 
 def _single_value_task(cls, dataset: Dataset, label_column: str, feature) -> SequenceClassification:

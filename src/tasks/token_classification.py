@@ -80,6 +80,10 @@ class TokenClassification(Task):
         task = cls(
             in_checkpoint_order(args, tuple(names)), found, args.label_all_tokens, args.return_entity_level_metrics
         )
+        odd = [name for name in names if not _is_iob(name)]
+        if 0 < len(odd) < len(names) / 2:  # a few rows' slips turn entity F1 into per-word accuracy
+            logger.warning(f"{tags!r} holds IOB entity tags and {', '.join(map(repr, odd[:5]))}, which are not: "
+                           "scored per word, not by entity; fix those rows for entity-level F1")  # fmt: skip
         if task.return_entity_level_metrics and not task.iob:
             raise UserError(
                 f"--return_entity_level_metrics scores entities of IOB tags (B-X, I-X, O), and {tags!r} holds other "
@@ -108,7 +112,7 @@ class TokenClassification(Task):
     @property
     def iob(self) -> bool:
         """Entity tags (O, B-X, I-X), scored by entity with seqeval; other tags (NOUN, VERB) are scored per word."""
-        return all(name == "O" or name[:2] in ("B-", "I-") for name in self.label_names)
+        return all(map(_is_iob, self.label_names))
 
     @property
     def main_metric(self) -> str:
@@ -139,6 +143,12 @@ class TokenClassification(Task):
         words_column, tags_column = self.columns
         if tags_column and tags_column not in dataset.column_names:
             tags_column = None
+        for column, what in ((words_column, "words"), (tags_column, "tags")):  # checked in training data by from_data
+            if column and not isinstance(dataset.features[column], (List, LargeList, Sequence)):
+                raise UserError(
+                    f"column {column!r} holds {dataset.features[column]}, not a list of {what} per row (a CSV cell "
+                    "holds one string): give word and tag lists in a .jsonl or .parquet file"
+                )
         tag_id, id_of = {name: i for i, name in enumerate(self.label_names)}, label_finder(self.label_names)
         names = dataset.features[tags_column].feature.names if tags_column and isinstance(
             dataset.features[tags_column].feature, ClassLabel) else None  # fmt: skip
@@ -189,6 +199,8 @@ class TokenClassification(Task):
 
         features = dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
                                num_proc=num_proc, desc="Tokenizing")  # fmt: skip
+        if features.features.get("labels") not in (None, List(Value("int64"))):  # typed as a tag column named labels
+            features = features.cast_column("labels", List(Value("int64")))
         # Counted from columns, not while mapping: a cached map (every rank but the first) runs no code.
         counts = features.select_columns([CUT_COLUMN, EMPTY_COLUMN]).with_format("numpy")[:]
         features = features.remove_columns([CUT_COLUMN, EMPTY_COLUMN])
@@ -301,6 +313,10 @@ def _refuse_nulls(values: list | None, row: int, column: str, what: str):
     """A null row or item of words or tags is one line (the tokenizer and sorting would raise a TypeError)."""
     if values is None or None in values:
         raise UserError(f"row {row} has a null in {column!r} (its {what}): fill or drop that row")
+
+
+def _is_iob(name: str) -> bool:
+    return name == "O" or name[:2] in ("B-", "I-")
 
 
 def _is_word_lists(feature) -> bool:
