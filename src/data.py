@@ -116,7 +116,14 @@ def load_raw_splits(args) -> DatasetDict:
 
         splits = make_demo_splits()
     if "validation" not in splits:
-        held_out = splits["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=args.seed)
+        percent = args.validation_split_percentage
+        try:
+            held_out = splits["train"].train_test_split(test_size=percent / 100, seed=args.seed)
+        except ValueError as err:  # too few rows to hold some out and keep some
+            raise UserError(
+                f"{percent}% of {len(splits['train'])} training row(s) held out for validation leaves no row to "
+                "validate or to train on: give --validation_file, more rows, or another --validation_split_percentage"
+            ) from err
         splits = DatasetDict(train=held_out["train"], validation=held_out["test"])
     for name in splits:
         if name.startswith("validation") and args.max_eval_samples:

@@ -123,6 +123,8 @@ def test_text_is_cut_into_blocks_and_nothing_is_dropped(tokenizer):
     expected = sum(len(tokenizer(t)["input_ids"]) + 1 for t in texts if t)  # each text's tokens and its EOS
     assert sum(lengths) == expected and set(lengths[:-1]) == {8} and 0 < lengths[-1] <= 8
     assert all(r["labels"] == r["input_ids"] for r in rows)
+    with pytest.raises(UserError, match="all 3 rows of text column 'text' are empty or blank: nothing to learn"):
+        CausalLM(TEXT).features(Dataset.from_list([{"text": t} for t in ("", "  ", "\r")]), tokenizer, 8)
 
 
 def test_the_task_has_its_own_defaults_where_a_classifiers_do_not_fit():

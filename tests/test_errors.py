@@ -92,6 +92,14 @@ def test_missing_labels_in_training_data(tmp_path, tiny_model):
         train.main(train.parse_train_args(args))
 
 
+def test_too_few_rows_to_hold_some_out_for_validation_is_one_line(tmp_path, tiny_model):
+    one = write_rows(tmp_path / "one.jsonl", [{"sentence": "good", "label": "positive"}])
+    args = train_args(tiny_model, one, one, tmp_path / "out")
+    args[args.index("--validation_file") : args.index("--validation_file") + 2] = []
+    with pytest.raises(train.UserError, match=r"10% of 1 training row\(s\) held out for validation leaves no row"):
+        train.main(train.parse_train_args(args))
+
+
 def test_settings_a_task_cannot_use(tmp_path, tiny_model, tiny_data):
     with pytest.raises(train.UserError, match="--metric_for_best_model 'pearson' is not reported for classification"):
         train.main(train.parse_train_args(train_args(tiny_model, *tiny_data, tmp_path / "a", "--metric_for_best_model",

@@ -354,6 +354,8 @@ def _text_blocks(dataset: Dataset, column: str, tokenizer, block: int, num_proc:
             f"text column {column!r} holds {feature}, not text: name a column of strings with --text_column"
         )
     texts = dataset.filter(lambda row: bool(row[column] and row[column].strip()), desc="Dropping empty lines")
+    if not len(texts):
+        raise UserError(f"all {len(dataset)} rows of text column {column!r} are empty or blank: nothing to learn")
     tokenized = texts.map(tokens, batched=True, remove_columns=texts.column_names, num_proc=num_proc,
                           desc="Tokenizing")  # fmt: skip
     return tokenized.map(blocks, batched=True, batch_size=None, remove_columns=["ids"], desc="Cutting into blocks")
