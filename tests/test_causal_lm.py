@@ -106,6 +106,16 @@ def test_chat_learns_every_token_or_with_assistant_only_loss_the_assistant_turns
     sharegpt = [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in MESSAGES]
     again = task.features(Dataset.from_list([{"conversations": sharegpt}]), chat_tokenizer, 256)[0]
     assert again["labels"] == row["labels"]
+    # OpenAI's lists of content parts, and ShareGPT's role names in `messages` rows, are the same conversation.
+    parts = [{"role": {"user": "human", "assistant": "bot"}[m["role"]],
+              "content": [{"type": "text", "text": m["content"]}]} for m in MESSAGES]  # fmt: skip
+    assert task.features(Dataset.from_list([{"messages": parts}]), chat_tokenizer, 256)[0]["labels"] == row["labels"]
+    for rows, says in [([{"messages": []}], "must list turns"),
+                       ([{"messages": [{"role": "user", "content": None}]}], "content is None, not text")]:  # fmt: skip
+        with pytest.raises(UserError, match=says):
+            task.features(Dataset.from_list(rows), chat_tokenizer, 256)
+    with pytest.raises(UserError, match="prompt is None, not text"):
+        CausalLM(PROMPT_COMPLETION).features(Dataset.from_list([{"prompt": None, "completion": "yes"}]), tokenizer, 8)
 
 
 def test_without_completion_only_loss_the_prompt_is_learnt_too(tokenizer):

@@ -29,7 +29,8 @@ from src.tasks.base import Step, Task
 logger = get_logger(__name__)
 IGNORE = -100
 CHAT, PROMPT_COMPLETION, TEXT = "chat", "prompt-completion", "text"
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# ShareGPT's role names (and other exports' "bot"), as chat templates and --assistant_only_loss know them.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "bot": "assistant"}
 # How a chat template marks what the assistant writes, for --assistant_only_loss (transformers' assistant mask).
 GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
 
@@ -301,6 +302,8 @@ def _format_of(columns: list[str], label_column: str | None = None) -> str | Non
 def _prompt_completion_example(tokenizer, row: dict, max_length: int, completion_only: bool):
     """The prompt's tokens, then the completion's and EOS (always learnt), cut to max_length; the prompt's labels are
     -100 when `completion_only`. Tokenized apart, so the boundary is exact whatever the tokenizer merges across it."""
+    if not isinstance(row["prompt"], str):
+        raise UserError(f"a prompt/completion row's prompt is {row['prompt']!r}, not text: fill or drop that row")
     prompt = tokenizer(row["prompt"])["input_ids"]
     if row.get("completion") is None:  # a prompt to answer (evaluate.py --predict_with_generate): nothing to score
         return prompt[:max_length], [IGNORE] * len(prompt[:max_length])
@@ -322,14 +325,26 @@ def _chat_example(tokenizer, row: dict, max_length: int, assistant_only: bool):
 
 
 def _messages(row: dict) -> list[dict]:
-    """A chat row's turns with `role` and `content` (ShareGPT's `from` and `value` renamed)."""
+    """A chat row's turns with `role` and text `content` (ShareGPT's `from`, `value` and role names renamed; OpenAI's
+    lists of content parts joined into their text)."""
     turns = row.get("messages") or row.get("conversations") or []
-    if not all(isinstance(turn, dict) and ({"role", "content"} <= set(turn) or {"from", "value"} <= set(turn))
-               for turn in turns):  # fmt: skip
+    if not turns or not all(isinstance(turn, dict) and ({"role", "content"} <= set(turn) or {"from", "value"} <=
+                                                        set(turn)) for turn in turns):  # fmt: skip
         raise UserError(f"a chat row must list turns with 'role' and 'content' (or ShareGPT 'from' and 'value'); "
                         f"found {str(turns)[:200]}")  # fmt: skip
-    return [turn if "role" in turn else {"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]),
-                                         "content": turn["value"]} for turn in turns]  # fmt: skip
+    messages = []
+    for turn in turns:
+        role, content = (turn["role"], turn["content"]) if "role" in turn else (turn["from"], turn["value"])
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]: a text-only template takes the text
+            content = "".join(part.get("text") or "" for part in content if isinstance(part, dict))
+        if not isinstance(content, str):
+            raise UserError(
+                f"a chat turn's content is {content!r}, not text: fill or drop that row ({str(turns)[:200]})"
+            )
+        messages.append(
+            {**(turn if "role" in turn else {}), "role": SHAREGPT_ROLES.get(role, role), "content": content}
+        )
+    return messages
 
 
 def _text_blocks(dataset: Dataset, column: str, tokenizer, block: int, num_proc: int | None) -> Dataset:
