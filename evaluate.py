@@ -132,8 +132,8 @@ def write_results(output_dir: Path, metrics: dict, columns: dict, task, data, ge
     """eval_results.json, predictions.csv (in the data's order, with the generations if any) and the task's
     pictures."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    # Rounded so that the number of processes (the summation order) cannot change the file. Another batch size
-    # pads differently, which under bf16 autocast can move eval_loss in the 6th decimal.
+    # Rounded so that the number of processes (the summation order) cannot change the file. Another batch size or
+    # number of processes pads differently, which under bf16 autocast can move eval_loss in the 6th decimal.
     write_json(output_dir / "eval_results.json", {k: round(v, 6) for k, v in metrics.items()})
     rows = (
         {"index": []}

@@ -275,8 +275,10 @@ def start_or_resume(args, accelerator, task, resume_path, record: dict, batches_
         remove_checkpoints(args.output_dir, only_incomplete=not args.overwrite_output_dir)
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        if args.overwrite_output_dir:  # the old run's mark of a finished run: this one, stopped, must not read as done
-            (args.output_dir / RESULTS_FILE).unlink(missing_ok=True)
+        # The old run's mark of a finished run (this one, if stopped, must not read as done), and its model card.
+        if args.overwrite_output_dir:
+            for name in (RESULTS_FILE, "README.md"):
+                (args.output_dir / name).unlink(missing_ok=True)
         write_json(args.output_dir / "args.json", record)
         # A resumed run drops what the interrupted one logged after its checkpoint; a new run starts afresh.
         keep_records_up_to(args.output_dir / "metrics.jsonl", state.global_step)

@@ -40,7 +40,8 @@ def generate(model, prompts: list[list[int]], tokenizer, accelerator, batch_size
     texts, seen = {}, 0
     for batch in dataloader:
         index = batch.pop(INDEX_COLUMN)
-        with torch.no_grad():
+        # Autocast here too: a LoRA model's generate() calls its base model, outside the forward that prepare() wraps.
+        with torch.no_grad(), accelerator.autocast():
             output = model.generate(
                 **batch, max_new_tokens=max_new_tokens, num_beams=num_beams, do_sample=False, use_cache=True,
                 eos_token_id=sorted(stop), pad_token_id=tokenizer.pad_token_id,

@@ -194,3 +194,34 @@ def test_a_saved_causal_lm_keeps_its_kv_cache_on_for_what_generates_with_it(trai
     model = AutoModelForCausalLM.from_pretrained(trained_lm["model"]).eval()
     with torch.no_grad():
         assert model(input_ids=torch.tensor([[1, 2, 3]])).past_key_values is not None
+
+
+def test_a_lora_model_generates_under_the_runs_autocast_too(trained_lm):
+    """A LoRA model's generate() calls its base model, outside the forward that prepare() wraps in autocast: under
+    bf16 its answers were computed in fp32, unlike its loss and a whole model's answers."""
+    from contextlib import contextmanager
+
+    from accelerate import Accelerator
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from src.generation import generate
+
+    accelerator = Accelerator(cpu=True)
+    tokenizer = AutoTokenizer.from_pretrained(trained_lm["model"])
+    base = AutoModelForCausalLM.from_pretrained(trained_lm["model"])
+    model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", target_modules="all-linear"))
+    inside, seen = [False], []
+
+    @contextmanager
+    def autocast(*args, **kwargs):  # stands for accelerate's, which under "no" precision does nothing to see
+        inside[0] = True
+        try:
+            yield
+        finally:
+            inside[0] = False
+
+    accelerator.autocast = autocast
+    base.lm_head.register_forward_hook(lambda *_: seen.append(inside[0]))
+    generate(accelerator.prepare(model), [tokenizer("a good film")["input_ids"]], tokenizer, accelerator, 1, 2, 1)
+    assert seen and all(seen), "every forward pass of generation under the run's autocast"
