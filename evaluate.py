@@ -28,7 +28,7 @@ from src.model import prepare_for_evaluation, resolve_max_length
 from src.record import DEFAULT_TASK, RECORD_FILE, read_record
 from src.reporting import setup_logging, write_json
 from src.runtime import make_accelerator, refuse_fsdp_without_gpus
-from src.tasks import task_class
+from src.tasks import task_class, task_of_model
 
 logger = get_logger(__name__)
 
@@ -80,9 +80,13 @@ def main(args):
         check_column_flags(args, data.column_names)
         if record.get("task_name"):  # GLUE ids in a local file, named as the model's labels are
             data = glue_labels(data, record["task_name"], args.label_column or record.get("label_column"))
-        # The task the model was trained for, never detected again: its record says how to read the data.
+        # The task the model was trained for, never detected again: its record says how to read the data. Folders of
+        # earlier versions were all sequence classification; a model from elsewhere says what it is by its class.
+        spec = record.get("task") or (
+            DEFAULT_TASK if record else task_of_model(args.model_name_or_path, args.trust_remote_code)
+        )
         try:
-            cls = task_class(record.get("task", DEFAULT_TASK))
+            cls = task_class(spec)
         except UserError as err:
             raise UserError(f"{args.model_name_or_path} was trained with {err}; make it importable here") from err
         task = cls.from_record(record, args, args.model_name_or_path, data.column_names)

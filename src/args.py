@@ -523,7 +523,11 @@ def build_eval_parser() -> ArgumentParser:
         description="Evaluate a fine-tuned model on any number of processes; writes metrics and predictions.",
     )
     parser.add_argument("--config", type=Path, help="YAML file with any of these flags as keys; the command line wins.")
-    parser.add_argument("--model_name_or_path", help="Required: a train.py output folder (or a fine-tuned classifier).")
+    parser.add_argument(
+        "--model_name_or_path",
+        help="Required: a train.py output folder, or a classifier, tagger or causal LM fine-tuned elsewhere (its class "
+        "says which).",
+    )
     _add_remote_code_argument(parser)
     _add_multi_label_threshold_argument(parser, None, "Default: the training run's (args.json), else 0.5.")
     data = parser.add_argument_group("data")

@@ -402,3 +402,27 @@ def test_a_lora_tagger_loads_as_its_model_card_says(tiny_model, tmp_path):
     tags = json.loads((out / "config.json").read_text())["id2label"]
     logits = model(**tokenizer(["in", "New", "York"], is_split_into_words=True, return_tensors="pt")).logits
     assert logits.shape[-1] == len(tags) > 2
+
+
+def test_evaluate_py_reads_a_tagger_or_a_causal_lm_trained_elsewhere_by_its_class(tiny_model, tiny_decoders, tmp_path):
+    """Without args.json the model's class says its task: a tagger was read as a classifier ('no text column')."""
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    names = ("B-LOC", "I-LOC", "O")
+    tagger = AutoModelForTokenClassification.from_pretrained(
+        tiny_model, id2label=dict(enumerate(names)), label2id={n: i for i, n in enumerate(names)},
+        ignore_mismatched_sizes=True,
+    )  # fmt: skip
+    tagger.save_pretrained(tmp_path / "tagger")
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path / "tagger")
+    tagged = tmp_path / "tagged.jsonl"
+    tagged.write_text(json.dumps({"tokens": ["in", "New", "York"], "ner_tags": ["O", "B-LOC", "I-LOC"]}) + "\n")
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text(json.dumps({"prompt": "a film", "completion": "was good"}) + "\n")
+    for model, data, metric in [
+        (tmp_path / "tagger", tagged, "eval_f1"),
+        (tiny_decoders["llama"], texts, "eval_perplexity"),
+    ]:
+        argv = ["--model_name_or_path", str(model), "--validation_file", str(data), "--output_dir",
+                str(tmp_path / "out"), "--mixed_precision", "no"]  # fmt: skip
+        assert metric in run_in_process("evaluate", argv)

@@ -37,3 +37,17 @@ def detect_task(train, label_column: str | None = None):
     `label_column`: --label_column, which makes a column labels (a `text` column beside it is not text to learn)."""
     in_order = sorted(TASKS, key=lambda name: name == "sequence-classification")
     return next((cls, why) for cls in map(task_class, in_order) if (why := cls.recognises(train, label_column)))
+
+
+def task_of_model(model_dir, trust_remote_code: bool = False) -> str:
+    """The listed task of a model trained elsewhere (a folder without args.json), from its architecture: a tagger
+    (BertForTokenClassification), a causal LM (LlamaForCausalLM, GPT2LMHeadModel), or else a classifier."""
+    from src.model import load_trained_config
+
+    try:
+        architecture = (load_trained_config(model_dir, trust_remote_code).architectures or [""])[0]
+    except UserError:  # no config of its own (a LoRA folder): the classifier's loader says what is missing
+        return "sequence-classification"
+    if architecture.endswith("ForTokenClassification"):
+        return "token-classification"
+    return "causal-lm" if architecture.endswith(("ForCausalLM", "LMHeadModel")) else "sequence-classification"

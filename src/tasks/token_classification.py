@@ -97,8 +97,13 @@ class TokenClassification(Task):
 
         config = load_trained_config(model_dir, args.trust_remote_code)
         names = tuple(config.id2label[i] for i in range(config.num_labels))
-        words = args.text_column or record.get("text_column")
-        tags = args.label_column or record.get("label_column")
+        # The columns named, else the training run's, else (a model from elsewhere) the usual names.
+        words = (
+            args.text_column or record.get("text_column") or next((c for c in WORD_COLUMNS if c in column_names), None)
+        )
+        tags = (
+            args.label_column or record.get("label_column") or next((c for c in TAG_COLUMNS if c in column_names), None)
+        )
         columns = (words, tags if tags in column_names else None)
         if words not in column_names:
             raise UserError(f"the data has no column {words!r} of words (its columns: {', '.join(column_names)}): name "
