@@ -50,13 +50,15 @@ def load_file(path: Path, keep_linebreaks: bool = True) -> Dataset:
     except Exception as err:  # the builders raise many types for unreadable input
         if "corresponds to no data" in str(err):  # a header and no rows
             raise UserError(f"{path}: the file has no rows") from err
-        cause = err  # a text file in another encoding: the builders' own message says only that generating failed
-        while cause is not None and not isinstance(cause, UnicodeDecodeError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is not None:
+        # The builders' own message may say only that generating failed; what went wrong is in its causes.
+        chain = [err]
+        while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 10:
+            chain.append(cause)
+        if cause := next((c for c in chain if isinstance(c, UnicodeDecodeError)), None):  # another encoding
             raise UserError(f"{path}: not UTF-8 text (it holds the byte {cause.object[cause.start]:#04x}); save it as "
                             "UTF-8") from err  # fmt: skip
-        raise UserError(f"{path}: cannot be read as {path.suffix[1:]}: {' '.join(str(err).split())[:300]}") from err
+        why = "; ".join(dict.fromkeys(" ".join(str(c).split()) for c in chain if str(c)))
+        raise UserError(f"{path}: cannot be read as {path.suffix[1:]}: {why[:300]}") from err
     if len(dataset) == 0:
         raise UserError(f"{path}: the file has no rows")
     return dataset

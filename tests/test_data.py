@@ -39,6 +39,10 @@ def test_file_errors_name_the_file(tmp_path):
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(UserError, match="broken.json: cannot be read as json"):
         load_file(tmp_path / "broken.json")
+    # A bad line among good ones: which row, from the parser's own error under datasets' generic one.
+    (tmp_path / "bad.jsonl").write_text('{"text": "a", "label": 1}\n{"text": "b", "label": \n{"text": "c"}\n')
+    with pytest.raises(UserError, match=r"bad.jsonl: cannot be read as jsonl: .*JSON parse error: .* in row 1"):
+        load_file(tmp_path / "bad.jsonl")
     (tmp_path / "nothing.csv").write_text("")
     with pytest.raises(UserError, match="nothing.csv: the file is empty"):  # datasets: "error generating the dataset"
         load_file(tmp_path / "nothing.csv")

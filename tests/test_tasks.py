@@ -109,6 +109,9 @@ def test_labels_with_commas_in_a_csv_are_classes_and_say_how_to_give_lists(tmp_p
     with caplog.at_level("WARNING"):
         task = detect_task(load_file(write_rows(tmp_path / "t.csv", tagged)), "bio")
     assert "holds 40 classes, most with spaces ('B-PER O" in caplog.text and "for token classification" in caplog.text
+    with caplog.at_level("WARNING"):
+        detect_task(Dataset.from_dict({"text": ["a", "b", "c"], "label": ["pos", " pos", "neg"]}), "label")
+    assert "labels in 'label' have spaces around them (' pos'): each spelling is a class of its own" in caplog.text
     with pytest.raises(UserError, match=r"not among the model's labels \(B-PER O I-0, .*, \.\.\.\), those of its"):
         task.features(Dataset.from_list([{"text": "a", "bio": "O"}]), AutoTokenizer.from_pretrained(tiny_model), 8)
 

@@ -405,6 +405,9 @@ def _single_value_task(cls, dataset: Dataset, label_column: str, feature) -> Seq
                 f"labels in {label_column!r} hold commas ({commas[0]!r}): each is one class; for multi-label, give "
                 "lists of labels in a .jsonl or .parquet file"
             )
+        if padded := [value for value in values if value != value.strip()]:  # "pos " and "pos": two classes
+            logger.warning(f"labels in {label_column!r} have spaces around them ({padded[0]!r}): each spelling is a "
+                           "class of its own; strip them in the file (a CSV's 'text, pos' holds ' pos')")  # fmt: skip
         spaced = [value for value in values if " " in value.strip()]
         if len(values) > 20 and 2 * len(spaced) > len(values):  # "B-PER O O": a CSV cell of tags, one per word
             logger.warning(
