@@ -149,9 +149,10 @@ class TokenClassification(Task):
         if tags_column and tags_column not in dataset.column_names:
             tags_column = None
         for column, what in ((words_column, "words"), (tags_column, "tags")):  # checked in training data by from_data
-            if column and not isinstance(dataset.features[column], (List, LargeList, Sequence)):
+            feature = dataset.features.get(column)  # all nulls (Value('null')): the rows' nulls are named below
+            if column and not isinstance(feature, (List, LargeList, Sequence)) and feature != Value("null"):
                 raise UserError(
-                    f"column {column!r} holds {dataset.features[column]}, not a list of {what} per row (a CSV cell "
+                    f"column {column!r} holds {feature}, not a list of {what} per row (a CSV cell "
                     "holds one string): give word and tag lists in a .jsonl or .parquet file"
                 )
         tag_id, id_of = {name: i for i, name in enumerate(self.label_names)}, label_finder(self.label_names)
