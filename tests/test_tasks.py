@@ -112,6 +112,9 @@ def test_labels_with_commas_in_a_csv_are_classes_and_say_how_to_give_lists(tmp_p
     with caplog.at_level("WARNING"):
         detect_task(Dataset.from_dict({"text": ["a", "b", "c"], "label": ["pos", " pos", "neg"]}), "label")
     assert "labels in 'label' have spaces around them (' pos'): each spelling is a class of its own" in caplog.text
+    (tmp_path / "mixed.jsonl").write_text('{"text": "a", "label": 1}\n{"text": "b", "label": "pos"}\n')
+    with pytest.raises(UserError, match=r"label column 'label' mixes value types \(int, str\): write every label"):
+        detect_task(load_file(tmp_path / "mixed.jsonl"), "label")
     with pytest.raises(UserError, match=r"not among the model's labels \(B-PER O I-0, .*, \.\.\.\), those of its"):
         task.features(Dataset.from_list([{"text": "a", "bio": "O"}]), AutoTokenizer.from_pretrained(tiny_model), 8)
 

@@ -11,7 +11,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from accelerate.logging import get_logger
-from datasets import ClassLabel, Dataset, LargeList, List, Value
+from datasets import ClassLabel, Dataset, Json, LargeList, List, Value
 
 from src.data import detect_columns
 from src.errors import UserError
@@ -383,6 +383,10 @@ def _score(value, label_column: str) -> float:
 
 
 def _single_value_task(cls, dataset: Dataset, label_column: str, feature) -> SequenceClassification:
+    if isinstance(feature, Json):  # how datasets reads a JSON column of mixed types, such as 1 and "pos"
+        kinds = sorted({type(value).__name__ for value in dataset[label_column]})
+        raise UserError(f"label column {label_column!r} mixes value types ({', '.join(kinds)}): write every label "
+                        "the same way, all numbers or all strings")  # fmt: skip
     if not isinstance(feature, Value):
         raise UserError(
             f"label column {label_column!r} holds {feature}; labels must be numbers or strings, or lists of them "
