@@ -260,11 +260,13 @@ def start_or_resume(args, accelerator, task, resume_path, record: dict, batches_
     state = TrainState(num_processes=accelerator.num_processes)
     if resume_path:
         state = load_checkpoint(accelerator, resume_path, record, task_settings=task.record())
-        if state.best_checkpoint:  # beside the checkpoint resumed from: its folder may have moved, or be another run's
-            state.best_checkpoint = str(resume_path.parent / Path(state.best_checkpoint).name)
-            if args.load_best_model_at_end and not Path(state.best_checkpoint).is_dir():
+        if state.best_checkpoint and not Path(state.best_checkpoint).is_dir():  # its folder moved (a copied run)?
+            beside = resume_path.parent / Path(state.best_checkpoint).name
+            if args.load_best_model_at_end and not beside.is_dir():
                 raise UserError(f"--load_best_model_at_end: the run's best checkpoint so far, {state.best_checkpoint}, "
-                                f"is not beside {resume_path}: put it there, or resume without the flag")  # fmt: skip
+                                f"is gone, and not beside {resume_path} either: copy it there, or resume without "
+                                "the flag")  # fmt: skip
+            state.best_checkpoint = str(beside)
         if state.batches_in_epoch >= batches_per_epoch:
             state.epoch, state.batches_in_epoch = state.epoch + 1, 0
     # Trackers first: one that cannot start (say, wandb without an API key) stops the run before an old one is removed.

@@ -180,12 +180,14 @@ def test_the_best_model_is_found_beside_the_checkpoint_resumed_from(tiny_model, 
     assert resumed["eval_loss"] == whole["eval_loss"]
     elsewhere = [*flags, "--resume_from_checkpoint", str(tmp_path / "copy" / "checkpoint-1")]
     assert run_main(*train_args(tiny_model, *data, tmp_path / "other", *elsewhere))["eval_loss"] == whole["eval_loss"]
-    # The checkpoint without the best one beside it (renamed here): found out before training, not after it.
+    # A best checkpoint still where it was recorded (another run's folder, after a chain of resumes) is used there;
+    # one neither there nor beside the checkpoint resumed from is found out before training, not after it.
     (tmp_path / "copy" / "checkpoint-1").rename(tmp_path / "copy" / "checkpoint-one")
+    shutil.copytree(tmp_path / "new" / "checkpoint-1", tmp_path / "old" / "checkpoint-1")
     latest = [*flags, "--resume_from_checkpoint", str(tmp_path / "copy" / "checkpoint-one")]
-    with pytest.raises(
-        train.UserError, match=r"best checkpoint so far, .*checkpoint-1, is not beside .*checkpoint-one"
-    ):
+    assert run_main(*train_args(tiny_model, *data, tmp_path / "chain", *latest))["eval_loss"] == whole["eval_loss"]
+    shutil.rmtree(tmp_path / "old")
+    with pytest.raises(train.UserError, match=r"best checkpoint so far, .*old/checkpoint-1, is gone, and not beside"):
         run_main(*train_args(tiny_model, *data, tmp_path / "fresh", *latest))
 
 
