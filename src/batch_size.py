@@ -61,7 +61,7 @@ def _fit_train_batch_size(sizes, probe, dataset, resume_path, trainable: int) ->
     # more than one process, DDP's gradient buckets (a copy of the gradients): the probe runs without DDP.
     reserve = 2 * trainable + (trainable if probe.accelerator.num_processes > 1 else 0)
     fix = "lower --max_length, add --gradient_checkpointing or --use_peft, or use FSDP to shard the model"
-    size, longest = probe.largest_that_fits(dataset, requested, reserve, "example", fix)
+    size, longest = probe.largest_that_fits(dataset, requested, reserve, True, "example", fix)
     if size == requested:
         logger.info(f"--auto_find_batch_size: {requested} examples of up to {longest} tokens per device fit in memory")
         return sizes
@@ -74,7 +74,7 @@ def _fit_eval_batch_size(sizes, probe, dataset, trainable: int) -> BatchSizes:
     memory at its first evaluation. Halving only: the evaluation batch has no accumulation to make up for it."""
     requested = sizes.per_device_eval_batch_size
     fix = "lower --max_length or use FSDP to shard the model"
-    size, longest = probe.largest_that_fits(dataset, requested, 2 * trainable, "validation example", fix)
+    size, longest = probe.largest_that_fits(dataset, requested, 2 * trainable, False, "validation example", fix)
     if size < requested:
         logger.warning(
             f"--auto_find_batch_size: {requested} validation examples of up to {longest} tokens per device do not fit "
@@ -104,11 +104,13 @@ class _Probe:
     collator: Any
     task: Any
 
-    def largest_that_fits(self, dataset, requested: int, reserve: int, what: str, fix: str) -> tuple[int, int]:
+    def largest_that_fits(
+        self, dataset, requested: int, reserve: int, train: bool, what: str, fix: str
+    ) -> tuple[int, int]:
         """(the largest size, from `requested` down, whose step fits on every rank, the longest example's tokens); an
-        error with `fix` if not even 1 `what` does. Training sizes stay divisors of `requested` (`next_smaller`);
-        evaluation sizes (of a validation `what`) halve."""
-        train, size = what == "example", requested
+        error with `fix` if not even 1 `what` does. Training sizes (`train`) stay divisors of `requested`
+        (`next_smaller`); evaluation sizes halve."""
+        size = requested
         while size and not self.step_fits(self.longest_batch(dataset, size), reserve, train):
             clear_device_cache(garbage_collection=True)  # the failed attempt's tensors, freed with its traceback
             size = next_smaller(size, requested) if train else size // 2

@@ -122,9 +122,10 @@ def load_raw_splits(args) -> DatasetDict:
         try:
             held_out = splits["train"].train_test_split(test_size=percent / 100, seed=args.seed)
         except ValueError as err:  # too few rows to hold some out and keep some
+            instead = "--validation_file, " if args.train_file else ""
             raise UserError(
-                f"{percent}% of {len(splits['train'])} training row(s) held out for validation leaves no row to "
-                "validate or to train on: give --validation_file, more rows, or another --validation_split_percentage"
+                f"{percent}% of {len(splits['train'])} training row(s) held out for validation (at least one) leaves "
+                f"none to train on: give {instead}more rows, or a lower --validation_split_percentage"
             ) from err
         splits = DatasetDict(train=held_out["train"], validation=held_out["test"])
     for name in splits:

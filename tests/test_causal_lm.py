@@ -17,7 +17,7 @@ from src.errors import UserError
 from src.model import default_model_path, load_tokenizer
 from src.plan import best_metric, learning_rate
 from src.tasks import detect_task
-from src.tasks.causal_lm import CHAT, IGNORE, PROMPT_COMPLETION, TEXT, CausalLM
+from src.tasks.causal_lm import CHAT, IGNORE, PROMPT_COMPLETION, TEXT, CausalLM, _messages
 
 SFT = REPO.parent / "shared" / "data" / "alpaca_eval_sft"
 CHAT_TEMPLATE = str(REPO / "examples" / "chat_template.jinja")
@@ -114,6 +114,8 @@ def test_chat_learns_every_token_or_with_assistant_only_loss_the_assistant_turns
                        ([{"messages": [{"role": "user", "content": None}]}], "content is None, not text")]:  # fmt: skip
         with pytest.raises(UserError, match=says):
             task.features(Dataset.from_list(rows), chat_tokenizer, 256)
+    call = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}
+    assert _messages({"messages": [{"role": "user", "content": "hi"}, call]})[1] == call  # a tool call has no text
     with pytest.raises(UserError, match="prompt is None, not text"):
         CausalLM(PROMPT_COMPLETION).features(Dataset.from_list([{"prompt": None, "completion": "yes"}]), tokenizer, 8)
 

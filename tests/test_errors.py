@@ -96,7 +96,10 @@ def test_too_few_rows_to_hold_some_out_for_validation_is_one_line(tmp_path, tiny
     one = write_rows(tmp_path / "one.jsonl", [{"sentence": "good", "label": "positive"}])
     args = train_args(tiny_model, one, one, tmp_path / "out")
     args[args.index("--validation_file") : args.index("--validation_file") + 2] = []
-    with pytest.raises(train.UserError, match=r"10% of 1 training row\(s\) held out for validation leaves no row"):
+    with pytest.raises(
+        train.UserError,
+        match=r"10% of 1 training row\(s\) held out for validation \(at least one\) leaves none to train on: give",
+    ):
         train.main(train.parse_train_args(args))
 
 

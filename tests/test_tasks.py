@@ -109,6 +109,11 @@ def test_labels_with_commas_in_a_csv_are_classes_and_say_how_to_give_lists(tmp_p
     with caplog.at_level("WARNING"):
         task = detect_task(load_file(write_rows(tmp_path / "t.csv", tagged)), "bio")
     assert "holds 40 classes, most with spaces ('B-PER O" in caplog.text and "for token classification" in caplog.text
+    caplog.clear()
+    intents = [{"text": f"w{i}", "intent": f"book a flight to city {i}"} for i in range(40)]  # many classes, not tags
+    with caplog.at_level("WARNING"):
+        detect_task(load_file(write_rows(tmp_path / "i.csv", intents)), "intent")
+    assert "for token classification" not in caplog.text
     with caplog.at_level("WARNING"):
         detect_task(Dataset.from_dict({"text": ["a", "b", "c"], "label": ["pos", " pos", "neg"]}), "label")
     assert "labels in 'label' have spaces around them (' pos'): each spelling is a class of its own" in caplog.text
@@ -152,14 +157,18 @@ def test_multi_label_encoding_loss_and_predictions(tmp_path, tiny_model):
         replace(task, columns=("sentence", None, "label")).features(single, tokenizer, 16)
 
 
-@pytest.mark.parametrize("label", ["NaN", "Infinity", '"high"'])
-def test_a_regression_target_that_is_no_finite_number_is_one_line(tmp_path, tiny_model, label):
+@pytest.mark.parametrize(
+    ("label", "says"),
+    [("NaN", "holds nan: regression needs finite numbers"), ("Infinity", "holds inf: regression needs finite"),
+     ('"high"', "holds 'high', and the model does regression"), ("null", "has empty values; fill or drop")],
+)  # fmt: skip
+def test_a_regression_target_that_is_no_finite_number_is_one_line(tmp_path, tiny_model, label, says):
     """A NaN (what json.dumps writes for float("nan")) in validation rows trained to the end and failed in the
     metrics; in training rows it was reported as a diverging loss."""
     path = tmp_path / "scores.jsonl"
     path.write_text(f'{{"text": "a", "label": 0.5}}\n{{"text": "b", "label": {label}}}\n')
     task = SequenceClassification(REGRESSION, columns=("text", None, "label"))
-    with pytest.raises(UserError, match="label column 'label' holds .*(finite numbers|give numbers)"):
+    with pytest.raises(UserError, match=f"label column 'label' {says}"):
         task.features(load_file(path), AutoTokenizer.from_pretrained(tiny_model), 8)
 
 

@@ -179,6 +179,15 @@ def test_tags_in_a_csv_in_arrow_large_types_and_a_few_tags_that_are_not_iob(tmp_
     with caplog.at_level("WARNING"):
         TokenClassification.from_data(flags(), Dataset.from_list(rows))
     assert "'ner_tags' holds IOB entity tags and 'b-loc', which are not: scored per word" in caplog.text
+    caplog.clear()
+    bioes = [{"tokens": ["a", "b", "c", "d"], "ner_tags": ["B-LOC", "I-LOC", "E-LOC", "O"]},
+             {"tokens": ["e"], "ner_tags": ["S-LOC"]}]  # fmt: skip
+    with caplog.at_level("WARNING"):
+        TokenClassification.from_data(flags(), Dataset.from_list(bioes))  # another scheme, not a slip
+    assert "which are not" not in caplog.text
+    # An unlabelled file written with null tags: predictions only, as without the column.
+    unlabelled = Dataset.from_dict({"tokens": [["in", "York"]], "labels": [None]})
+    assert "labels" not in task.features(unlabelled, tokenizer, 16).column_names
 
 
 def test_entity_level_metrics_of_tags_that_are_not_iob_are_refused():
@@ -419,9 +428,17 @@ def test_evaluate_py_reads_a_tagger_or_a_causal_lm_trained_elsewhere_by_its_clas
     tagged.write_text(json.dumps({"tokens": ["in", "New", "York"], "ner_tags": ["O", "B-LOC", "I-LOC"]}) + "\n")
     texts = tmp_path / "texts.jsonl"
     texts.write_text(json.dumps({"prompt": "a film", "completion": "was good"}) + "\n")
+    # A LoRA folder of peft's (or TRL's) names its task type: it has no config of its own to say it.
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    llama = AutoModelForCausalLM.from_pretrained(tiny_decoders["llama"])
+    get_peft_model(llama, LoraConfig(task_type="CAUSAL_LM")).save_pretrained(tmp_path / "adapter")
+    AutoTokenizer.from_pretrained(tiny_decoders["llama"]).save_pretrained(tmp_path / "adapter")
     for model, data, metric in [
         (tmp_path / "tagger", tagged, "eval_f1"),
         (tiny_decoders["llama"], texts, "eval_perplexity"),
+        (tmp_path / "adapter", texts, "eval_perplexity"),
     ]:
         argv = ["--model_name_or_path", str(model), "--validation_file", str(data), "--output_dir",
                 str(tmp_path / "out"), "--mixed_precision", "no"]  # fmt: skip

@@ -2,6 +2,8 @@
 `--task my_package.module:MyTask` names it by import path (examples/custom_task.py)."""
 
 import importlib
+import json
+from pathlib import Path
 
 from src.errors import UserError
 
@@ -44,9 +46,13 @@ def task_of_model(model_dir, trust_remote_code: bool = False) -> str:
     (BertForTokenClassification), a causal LM (LlamaForCausalLM, GPT2LMHeadModel), or else a classifier."""
     from src.model import load_trained_config
 
+    adapter = Path(model_dir) / "adapter_config.json"  # a LoRA folder (peft's, TRL's) names its task type
+    if adapter.is_file() and not (Path(model_dir) / "config.json").is_file():
+        kind = json.loads(adapter.read_text()).get("task_type")
+        return {"CAUSAL_LM": "causal-lm", "TOKEN_CLS": "token-classification"}.get(kind, "sequence-classification")
     try:
         architecture = (load_trained_config(model_dir, trust_remote_code).architectures or [""])[0]
-    except UserError:  # no config of its own (a LoRA folder): the classifier's loader says what is missing
+    except UserError:  # no config: the classifier's loader says what is missing
         return "sequence-classification"
     if architecture.endswith("ForTokenClassification"):
         return "token-classification"

@@ -336,8 +336,8 @@ def _messages(row: dict) -> list[dict]:
     for turn in turns:
         role, content = (turn["role"], turn["content"]) if "role" in turn else (turn["from"], turn["value"])
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]: a text-only template takes the text
-            content = "".join(part.get("text") or "" for part in content if isinstance(part, dict))
-        if not isinstance(content, str):
+            content = "\n".join(part["text"] for part in content if isinstance(part, dict) and part.get("text"))
+        if not isinstance(content, str) and not (content is None and turn.get("tool_calls")):  # a call has no text
             raise UserError(
                 f"a chat turn's content is {content!r}, not text: fill or drop that row ({str(turns)[:200]})"
             )

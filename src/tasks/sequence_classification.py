@@ -371,6 +371,8 @@ def label_namer(dataset: Dataset, label_column: str):
 
 def _score(value, label_column: str) -> float:
     """A regression target: a finite number (a NaN would train to the end and fail in the metrics)."""
+    if value is None:
+        raise UserError(f"label column {label_column!r} has empty values; fill or drop those rows")
     try:
         score = float(value)
     except (TypeError, ValueError):
@@ -412,8 +414,8 @@ def _single_value_task(cls, dataset: Dataset, label_column: str, feature) -> Seq
         if padded := [value for value in values if value != value.strip()]:  # "pos " and "pos": two classes
             logger.warning(f"labels in {label_column!r} have spaces around them ({padded[0]!r}): each spelling is a "
                            "class of its own; strip them in the file (a CSV's 'text, pos' holds ' pos')")  # fmt: skip
-        spaced = [value for value in values if " " in value.strip()]
-        if len(values) > 20 and 2 * len(spaced) > len(values):  # "B-PER O O": a CSV cell of tags, one per word
+        spaced = [value for value in values if " " in value.strip() and value.isupper()]  # "B-PER O O", "NOUN DET"
+        if len(values) > 20 and 2 * len(spaced) > len(values):  # a CSV cell of tags, one per word
             logger.warning(
                 f"label column {label_column!r} holds {len(values)} classes, most with spaces ({spaced[0]!r}): each is "
                 "one class; for token classification, give lists of words and tags in a .jsonl or .parquet file"

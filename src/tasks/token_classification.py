@@ -80,7 +80,7 @@ class TokenClassification(Task):
         task = cls(
             in_checkpoint_order(args, tuple(names)), found, args.label_all_tokens, args.return_entity_level_metrics
         )
-        odd = [name for name in names if not _is_iob(name)]
+        odd = [name for name in names if not _is_entity_tag(name)]
         if 0 < len(odd) < len(names) / 2:  # a few rows' slips turn entity F1 into per-word accuracy
             logger.warning(f"{tags!r} holds IOB entity tags and {', '.join(map(repr, odd[:5]))}, which are not: "
                            "scored per word, not by entity; fix those rows for entity-level F1")  # fmt: skip
@@ -146,8 +146,8 @@ class TokenClassification(Task):
         --label_all_tokens, B- turned I- after the first) and -100 elsewhere. Words cut off by --max_length are
         counted and reported: they have no prediction, so the metrics leave them out."""
         words_column, tags_column = self.columns
-        if tags_column and tags_column not in dataset.column_names:
-            tags_column = None
+        if tags_column not in dataset.column_names or dataset.features[tags_column] == Value("null"):
+            tags_column = None  # no tags (an unlabelled file, or one of null tags): predictions only
         for column, what in ((words_column, "words"), (tags_column, "tags")):  # checked in training data by from_data
             feature = dataset.features.get(column)  # all nulls (Value('null')): the rows' nulls are named below
             if column and not isinstance(feature, (List, LargeList, Sequence)) and feature != Value("null"):
@@ -323,6 +323,11 @@ def _refuse_nulls(values: list | None, row: int, column: str, what: str):
 
 def _is_iob(name: str) -> bool:
     return name == "O" or name[:2] in ("B-", "I-")
+
+
+def _is_entity_tag(name: str) -> bool:
+    """A tag of IOB or of another entity scheme (BIOES, BILOU: E-, S-, L-, U-), which are scored per word."""
+    return name == "O" or name[:2] in ("B-", "I-", "E-", "S-", "L-", "U-")
 
 
 def _is_word_lists(feature) -> bool:
