@@ -141,12 +141,10 @@ def save_checkpoint(accelerator, output_dir: Path, state: dict, is_writer: bool,
         os.replace(partial, final)
         if save_total_limit:  # Trainer's rule: K in all, but never the newest (to resume from) nor the best
             checkpoints = complete_checkpoints(output_dir)
-            names = {checkpoint.name for checkpoint in checkpoints}
-            protected = {final.name, Path(state.get("best_checkpoint") or final).name} & names
-            surplus = len(checkpoints) - max(save_total_limit, len(protected))
-            for old in [checkpoint for checkpoint in checkpoints if checkpoint.name not in protected][
-                : max(0, surplus)
-            ]:
+            best = Path(state.get("best_checkpoint") or final).name
+            protected = [path for path in checkpoints if path.name in (final.name, best)]
+            others = [path for path in checkpoints if path not in protected]
+            for old in others[: max(0, len(checkpoints) - max(save_total_limit, len(protected)))]:
                 shutil.rmtree(old)
     # No rank returns (and perhaps exits after a stop signal) before the checkpoint is renamed: a job step
     # whose first launcher exits can be torn down with everything in it (srun --kill-on-bad-exit).

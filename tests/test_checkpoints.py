@@ -29,7 +29,7 @@ def run_files(out) -> dict:
     return {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
 
 
-@pytest.mark.parametrize("limit", [1, 3])
+@pytest.mark.parametrize("limit", [1, 3, 9])  # 9: more than the run saves, so none goes
 def test_rotation_keeps_the_newest_and_the_best(tiny_model, data, tmp_path, limit):
     """Trainer's rule: --save_total_limit checkpoints in all, the best and the newest (to resume from) among them, so
     a limit of 1 keeps those two."""

@@ -12,6 +12,7 @@ TASKS = {
     "causal-lm": "src.tasks.causal_lm:CausalLM",
     "sequence-classification": "src.tasks.sequence_classification:SequenceClassification",
 }
+FALLBACK = "sequence-classification"  # asked last: it takes any text with a label, and any model with a head
 
 
 def task_class(spec: str):
@@ -33,27 +34,40 @@ def task_class(spec: str):
     return found
 
 
+def _asked_in_order() -> list[str]:
+    """The listed tasks, FALLBACK last wherever it is listed."""
+    return sorted(TASKS, key=lambda name: name == FALLBACK)
+
+
 def detect_task(train, label_column: str | None = None):
-    """--task auto: (the first listed task that recognises the training rows, why), asking sequence classification,
-    which takes any text with a label, after every other task wherever it is listed.
+    """--task auto: (the first listed task that recognises the training rows, why).
     `label_column`: --label_column, which makes a column labels (a `text` column beside it is not text to learn)."""
-    in_order = sorted(TASKS, key=lambda name: name == "sequence-classification")
-    return next((cls, why) for cls in map(task_class, in_order) if (why := cls.recognises(train, label_column)))
+    return next(
+        (cls, why) for cls in map(task_class, _asked_in_order()) if (why := cls.recognises(train, label_column))
+    )
 
 
 def task_of_model(model_dir, trust_remote_code: bool = False) -> str:
-    """The listed task of a model trained elsewhere (a folder without args.json), from its architecture: a tagger
-    (BertForTokenClassification), a causal LM (LlamaForCausalLM, GPT2LMHeadModel), or else a classifier."""
+    """The listed task of a model trained elsewhere (a folder without args.json): the one whose Auto class builds the
+    model's architecture for its config (BertForTokenClassification: a tagger; GPT2LMHeadModel: a causal LM), or for
+    a LoRA folder of peft's or TRL's, whose peft task type its adapter names; else sequence classification."""
+    import transformers
+
     from src.model import load_trained_config
 
-    adapter = Path(model_dir) / "adapter_config.json"  # a LoRA folder (peft's, TRL's) names its task type
+    adapter = Path(model_dir) / "adapter_config.json"
     if adapter.is_file() and not (Path(model_dir) / "config.json").is_file():
         kind = json.loads(adapter.read_text()).get("task_type")
-        return {"CAUSAL_LM": "causal-lm", "TOKEN_CLS": "token-classification"}.get(kind, "sequence-classification")
+        return next((name for name in _asked_in_order() if task_class(name).peft_task_type == kind), FALLBACK)
     try:
-        architecture = (load_trained_config(model_dir, trust_remote_code).architectures or [""])[0]
+        config = load_trained_config(model_dir, trust_remote_code)
     except UserError:  # no config: the classifier's loader says what is missing
-        return "sequence-classification"
-    if architecture.endswith("ForTokenClassification"):
-        return "token-classification"
-    return "causal-lm" if architecture.endswith(("ForCausalLM", "LMHeadModel")) else "sequence-classification"
+        return FALLBACK
+    for name in _asked_in_order():
+        auto_class = getattr(transformers, task_class(name).auto_class, None)
+        try:  # the Auto class's own mapping of config classes to model classes
+            if auto_class._model_mapping[type(config)].__name__ in (config.architectures or []):
+                return name
+        except (AttributeError, KeyError):  # a task without an Auto class, or a config it does not know
+            continue
+    return FALLBACK
