@@ -36,7 +36,7 @@ from src.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from src.data import check_columns, load_raw_splits
+from src.data import check_columns, load_raw_splits, validation_splits
 from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli
 from src.evaluation import evaluate, evaluate_more
 from src.hub import check_hub_access, push_to_hub
@@ -91,10 +91,12 @@ def load_data_and_model(args, accelerator):
             refuse_other_tasks_flags(args, cls)
         else:
             cls = task_class(args.task)
-        task = cls.from_data(args, train)  # labels from the whole split, as transformers' run_*.py scripts
+        # Labels from the whole split, as transformers' run_*.py scripts, before any rows are held out for validation.
+        task = cls.from_data(args, train)
+        raw = validation_splits(raw, args)
         check_columns(raw, task.record())
         if args.max_train_samples:
-            raw["train"] = train.take(args.max_train_samples)
+            raw["train"] = raw["train"].take(args.max_train_samples)
         tokenizer = task.load_tokenizer(args.tokenizer_name, args)
     with errors_reach_every_rank(accelerator, args.data_preparation_timeout):
         model = task.build_model(args, tokenizer, accelerator.mixed_precision)
@@ -486,7 +488,7 @@ def finish_training(run: Run) -> dict:
         best = f"{run.plan.metric_for_best_model} = {state.best_metric:.4f}, {direction} is better"
         logger.info(f"Loaded the best model ({best}) from {best_checkpoint}")
     totals = run.window.totals
-    return {
+    summary = {
         # As run_*_no_trainer.py report it: the mean step loss of the last epoch, over every rank.
         "train_loss": state.epoch_loss_sum / max(1, state.epoch_steps),
         "train_runtime": train_runtime,
@@ -495,6 +497,8 @@ def finish_training(run: Run) -> dict:
         # Nothing trained (resumed from the last step): no padding to speak of, not all of it.
         "train_padding_fraction": 1 - totals["tokens"] / totals["padded_tokens"] if totals["padded_tokens"] else 0.0,
     }
+    run.accelerator.log(summary, step=state.global_step)  # to the trackers, as Trainer's final log
+    return summary
 
 
 def save_final(run: Run, tokenizer, results: dict):

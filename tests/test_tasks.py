@@ -499,7 +499,11 @@ def test_a_run_glue_no_trainer_command_with_local_files(tmp_path, tiny_model):
     settings = json.loads((out / "args.json").read_text())
     assert settings["metric_for_best_model"] == "f1" and settings["trust_remote_code"] is False
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-6"]  # each epoch
-    assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
+    # The trackers get the final results too, at the last step.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((out / "tensorboard").rglob("events.out.tfevents.*")))).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train_loss")] == [(12, pytest.approx(results["train_loss"]))]
     # --num_warmup_steps 3 wins over the default --warmup_ratio 0.1 (which would warm up for 2 of 12 steps).
     rates = {r["step"]: r["learning_rate"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
              if "learning_rate" in r}  # fmt: skip
