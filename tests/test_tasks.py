@@ -122,6 +122,12 @@ def test_labels_with_commas_in_a_csv_are_classes_and_say_how_to_give_lists(tmp_p
         detect_task(load_file(tmp_path / "mixed.jsonl"), "label")
     with pytest.raises(UserError, match=r"not among the model's labels \(B-PER O I-0, .*, \.\.\.\), those of its"):
         task.features(Dataset.from_list([{"text": "a", "bio": "O"}]), AutoTokenizer.from_pretrained(tiny_model), 8)
+    # A CSV's empty cells (missing) and blank ones: each example is classified from an empty text, with a warning.
+    rows = [{"text": text, "labels": label} for text, label in (("", "pos"), ("b", "neg"), (" ", "pos"))]
+    blank = load_file(write_rows(tmp_path / "b.csv", rows))
+    with caplog.at_level("WARNING"):
+        detect_task(blank, "labels").features(blank, AutoTokenizer.from_pretrained(tiny_model), 8)
+    assert "2 of 3 rows have no text in column 'text' (empty or missing): each is classified from an" in caplog.text
 
 
 def test_multi_label_encoding_loss_and_predictions(tmp_path, tiny_model):

@@ -8,6 +8,8 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from functools import cache
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 import torch.nn.functional as F
 from accelerate.logging import get_logger
@@ -198,6 +200,10 @@ class SequenceClassification(Task):
             rows = "lists of labels" if multi_label else "one label per row"
             raise UserError(f"label column {label_column!r} holds {rows}, but the model does {self.describe()}")
         id_of = label_finder(self.label_names)
+        for column in filter(None, (text_column, text_pair_column)):
+            if blank := _blank_texts(dataset, column):  # a CSV's empty cells: classified from an empty text
+                logger.warning(f"{blank} of {len(dataset)} rows have no text in column {column!r} (empty or missing): "
+                               "each is classified from an empty text; drop or fill those rows")  # fmt: skip
 
         def encode(rows, indices):
             texts = [str(t) if t is not None else "" for t in rows[text_column]]
@@ -422,6 +428,14 @@ def _single_value_task(cls, dataset: Dataset, label_column: str, feature) -> Seq
             )
         return cls(SINGLE_LABEL, tuple(sorted(values)))
     raise UserError(f"label column {label_column!r} has type {feature.dtype}; use integers, strings or floats")
+
+
+def _blank_texts(dataset: Dataset, column: str) -> int:
+    """The rows whose text in `column` is missing or only whitespace, counted by Arrow (no Python loop over rows)."""
+    texts = dataset.with_format("arrow")[column]
+    if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
+        return texts.null_count  # numbers, say: read as their text
+    return pc.sum(pc.fill_null(pc.equal(pc.utf8_trim_whitespace(texts), ""), True)).as_py() or 0
 
 
 def _multi_label_names(dataset: Dataset, label_column: str) -> tuple[str, ...]:
