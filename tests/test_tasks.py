@@ -95,7 +95,7 @@ def test_lists_of_labels_mean_multi_label(tmp_path):
         detect_task(Dataset.from_dict({"text": ["a", "b"], "label": ["pos", "pos"]}), "label")
 
 
-def test_labels_with_commas_in_a_csv_are_classes_and_say_how_to_give_lists(tmp_path, caplog, tiny_model):
+def test_messy_classification_data_gets_a_warning_that_says_what_to_fix(tmp_path, caplog, tiny_model):
     from accelerate import PartialState
 
     rows = [{"text": "a", "labels": "neg,long"}, {"text": "b", "labels": "pos"}]
@@ -123,11 +123,15 @@ def test_labels_with_commas_in_a_csv_are_classes_and_say_how_to_give_lists(tmp_p
     with pytest.raises(UserError, match=r"not among the model's labels \(B-PER O I-0, .*, \.\.\.\), those of its"):
         task.features(Dataset.from_list([{"text": "a", "bio": "O"}]), AutoTokenizer.from_pretrained(tiny_model), 8)
     # A CSV's empty cells (missing) and blank ones: each example is classified from an empty text, with a warning.
-    rows = [{"text": text, "labels": label} for text, label in (("", "pos"), ("b", "neg"), (" ", "pos"))]
+    # Examples as long as --max_length (most of them cut there) are counted.
+    rows = [
+        {"text": text, "labels": label} for text, label in (("", "pos"), ("b", "neg"), (" ", "pos"), ("a " * 9, "neg"))
+    ]
     blank = load_file(write_rows(tmp_path / "b.csv", rows))
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         detect_task(blank, "labels").features(blank, AutoTokenizer.from_pretrained(tiny_model), 8)
-    assert "2 of 3 rows have no text in column 'text' (empty or missing): each is classified from an" in caplog.text
+    assert "2 of 4 rows have no text in column 'text' (empty or missing): each is classified from an" in caplog.text
+    assert "1 of 4 examples reach --max_length 8 tokens: longer texts are cut there" in caplog.text
 
 
 def test_multi_label_encoding_loss_and_predictions(tmp_path, tiny_model):

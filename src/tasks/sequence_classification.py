@@ -239,6 +239,10 @@ class SequenceClassification(Task):
         typed = Value("float64") if self.is_regression else List(Value("float64")) if multi_label else Value("int64")
         if encoded.features.get("labels") not in (None, typed):
             encoded = encoded.cast_column("labels", typed)
+        reaching = pc.sum(pc.equal(encoded.with_format("arrow")[LENGTH_COLUMN], max_length)).as_py()  # most cut short
+        if reaching:
+            logger.info(f"{reaching} of {len(encoded)} examples reach --max_length {max_length} tokens: longer texts "
+                        "are cut there")  # fmt: skip
         return encoded
 
     # --- one batch ---
