@@ -9,6 +9,7 @@ import argparse
 import difflib
 import importlib.util
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -51,6 +52,18 @@ UPSTREAM_FLAGS = {
     "--dtype": "--mixed_precision bf16 (fp32 weights, computed in bf16)",
     "--padding_free": "--packing",
     "--run_name": "--output_dir (trackers other than TensorBoard name the run after its folder)",
+    # A launcher's flags, and the keys of an accelerate config file passed as --config:
+    "--num_processes": "accelerate launch --num_processes N train.py (the launcher's flags go before the script)",
+    "--multi_gpu": "accelerate launch --multi_gpu train.py (the launcher's flags go before the script)",
+    "--config_file": "accelerate launch --config_file FILE train.py (the launcher's flags go before the script)",
+    "--nproc_per_node": "torchrun --nproc_per_node N train.py (the launcher's flags go before the script)",
+    "--local_rank": "torchrun train.py (torch.distributed.launch's --local-rank is not read: use torchrun)",
+    "--local-rank": "torchrun train.py (torch.distributed.launch's --local-rank is not read: use torchrun)",
+    "--cpu": "accelerate launch --cpu train.py",
+    "--deepspeed": "accelerate launch --config_file accelerate_configs/deepspeed.yaml train.py",
+    "--fsdp": "accelerate launch --config_file accelerate_configs/fsdp.yaml train.py",
+    "--compute_environment": "accelerate launch --config_file FILE train.py (an accelerate config, not train.py's)",
+    "--distributed_type": "accelerate launch --config_file FILE train.py (an accelerate config, not train.py's)",
 }
 # Closer than this to one of our flags is a typo of it; further, another script's flag that a hint would mislead.
 TYPO_CUTOFF = 0.8
@@ -124,7 +137,12 @@ def _glue_task(text):
     return text
 
 
-YES_NO = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+YES_NO = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def _path(text) -> Path:
+    """A path flag: `~` is the home folder also where no shell expands it (`--output_dir=~/runs`, a --config file)."""
+    return Path(text).expanduser()
 
 
 def _yes_no(text):
@@ -192,6 +210,15 @@ def _add_timeout_arguments(group):
     )
 
 
+def _add_config_argument(parser):
+    parser.add_argument(
+        "--config",
+        type=_path,
+        help="YAML file with any of these flags as keys (its paths are relative to the folder you run in, as on the "
+        "command line); the command line wins.",
+    )
+
+
 def _steps_or_epoch(text):
     if text == "epoch":
         return text
@@ -250,7 +277,7 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         description="Fine-tune a Hugging Face model with Accelerate: sequence classification or regression, token "
         "classification, causal LM (text, prompt/completion, chat), or a task of your own (--task).",
     )
-    parser.add_argument("--config", type=Path, help="YAML file with any of these flags as keys; the command line wins.")
+    _add_config_argument(parser)
     parser.add_argument(
         "--task",
         default="auto",
@@ -342,9 +369,9 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         "eval_*_mm too).",
     )
     data.add_argument(
-        "--train_file", type=Path, help="Training data: .csv, .tsv, .json, .jsonl, .parquet, or .txt (causal-LM text)."
+        "--train_file", type=_path, help="Training data: .csv, .tsv, .json, .jsonl, .parquet, or .txt (causal-LM text)."
     )
-    data.add_argument("--validation_file", type=Path, help="Validation data, same formats as --train_file.")
+    data.add_argument("--validation_file", type=_path, help="Validation data, same formats as --train_file.")
     _add_data_arguments(data, "the validation split")
     data.add_argument("--max_train_samples", type=_positive_int, help="Keep only the first N training rows.")
     data.add_argument(
@@ -378,7 +405,7 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     _add_multi_label_threshold_argument(labels, 0.5, "")
 
     train = parser.add_argument_group("training")
-    train.add_argument("--output_dir", type=Path, default=Path("outputs/run"), help="Where everything is written.")
+    train.add_argument("--output_dir", type=_path, default=Path("outputs/run"), help="Where everything is written.")
     train.add_argument(
         "--num_train_epochs",
         type=_positive_int,
@@ -522,7 +549,7 @@ def build_eval_parser() -> ArgumentParser:
         prog="evaluate.py",
         description="Evaluate a fine-tuned model on any number of processes; writes metrics and predictions.",
     )
-    parser.add_argument("--config", type=Path, help="YAML file with any of these flags as keys; the command line wins.")
+    _add_config_argument(parser)
     parser.add_argument(
         "--model_name_or_path",
         help="Required: a train.py output folder, or a classifier, tagger or causal LM fine-tuned elsewhere (its class "
@@ -532,12 +559,12 @@ def build_eval_parser() -> ArgumentParser:
     _add_multi_label_threshold_argument(parser, None, "Default: the training run's (args.json), else 0.5.")
     data = parser.add_argument_group("data")
     data.add_argument(
-        "--validation_file", type=Path, help="Data to evaluate: .csv, .tsv, .json, .jsonl, .parquet, or .txt (text)."
+        "--validation_file", type=_path, help="Data to evaluate: .csv, .tsv, .json, .jsonl, .parquet, or .txt (text)."
     )
     data.add_argument("--split", default="validation", help="Split of --dataset_name to evaluate.")
     _add_data_arguments(data, "the evaluated data")
     run = parser.add_argument_group("run")
-    run.add_argument("--output_dir", type=Path, help="Where results go. Default: the model folder.")
+    run.add_argument("--output_dir", type=_path, help="Where results go. Default: the model folder.")
     run.add_argument("--per_device_eval_batch_size", type=_positive_int, default=64, help="Batch size per process.")
     run.add_argument(
         "--mixed_precision",
@@ -562,10 +589,31 @@ def build_eval_parser() -> ArgumentParser:
     return parser
 
 
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML with only true/false and null read as such (YAML 1.2's rule); every other value stays the text written,
+    which becomes a command-line word. YAML 1.1 would read `seed: 0123` as 83, `max_time: 1:30` as 90 and `on` as
+    true, where the same words on the command line mean 123, an error and "on"."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = [self.construct_object(key, deep=True) for key, _ in node.value]
+        if twice := sorted({str(key) for key in keys if keys.count(key) > 1}):
+            raise yaml.constructor.ConstructorError(None, None, f"{', '.join(twice)} given twice", node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+_ConfigLoader.yaml_implicit_resolvers = {}
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile("^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:null", re.compile("^(?:~|null|Null|NULL|)$"), ["~", "n", "N", ""]
+)
+
+
 def _read_config(parser: ArgumentParser, path: Path) -> dict:
     """The YAML file's 'flag: value' pairs."""
     try:
-        loaded = yaml.safe_load(path.read_text())
+        loaded = yaml.load(path.read_text(), Loader=_ConfigLoader)
     except OSError as err:
         parser.error(f"cannot read --config {path}: {err.strerror}")
     except yaml.YAMLError as err:
@@ -581,15 +629,15 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
     # switch's --no- form is not: `flag: false` says it.
     actions = {option[2:]: action for action in parser._actions for option in action.option_strings
                if option.startswith("--") and not option.startswith("--no-")}  # fmt: skip
+    config = _read_config(parser, path)
+    if unknown := [str(key) for key in config if key not in actions or key == "help"]:  # all at once, not one a run
+        parser.error(f"--config {path}: unknown key(s) {'; '.join(map(_key_hint, unknown, [actions] * len(unknown)))}"
+                     + ("; evaluate.py reads the training run's settings from the model folder's args.json"
+                        if parser.prog == "evaluate.py" else ""))  # fmt: skip
     words, given = [], {}
-    for key, value in _read_config(parser, path).items():
+    for key, value in config.items():
         if key == "config":
             parser.error(f"--config {path}: a config file cannot name another (config: {value}); merge them into one")
-        if key not in actions or key == "help":
-            close = difflib.get_close_matches(str(key), actions, 1, TYPO_CUTOFF)
-            hint = UPSTREAM_FLAGS.get(f"--{key}") or (repr(close[0]) if close else None)
-            hint = f"; did you mean {hint}?" if hint else ""
-            parser.error(f"--config {path}: unknown key {key!r}{hint}")
         if actions[key].dest in given:
             parser.error(f"--config {path}: {given[actions[key].dest]} and {key} are the same flag: keep one")
         given[actions[key].dest] = key
@@ -597,7 +645,7 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
             continue
         action = actions[key]
         if isinstance(action, Switch) or action.nargs == 0:
-            if isinstance(value, str) and value.lower() in YES_NO:  # quoted: "true"
+            if isinstance(value, str) and value.lower() in YES_NO:  # yes, on, "true"
                 value = YES_NO[value.lower()]
             if not isinstance(value, bool):
                 parser.error(f"--config {path}: {key} must be true or false, got {value!r}")
@@ -605,19 +653,28 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
                 words.append(f"--{key}" if value else f"--no-{key}")
             elif value:
                 words.append(f"--{key}")
-        elif isinstance(value, bool):  # YAML reads an unquoted no/off/yes/on as a boolean
-            if value is False and action.choices and "no" in action.choices:
-                words += [f"--{key}", "no"]  # mixed_precision: no
-            else:
-                parser.error(f"--config {path}: {key} is not an on/off flag and YAML read its value as {value}: quote "
-                             "it ('off')")  # fmt: skip
-        elif isinstance(value, list) and action.nargs == "+" and value:  # lora_target_modules: [q_proj, v_proj]
-            words += [f"--{key}", *map(str, value)]
+        elif isinstance(value, bool):
+            parser.error(f"--config {path}: {key} takes a value, not {str(value).lower()} (it is not an on/off flag)")
+        elif action.nargs == "+" and value:  # lora_target_modules: [q_proj, v_proj], or q_proj v_proj
+            words += [f"--{key}", *(map(str, value) if isinstance(value, list) else str(value).split())]
         elif isinstance(value, (dict, list)):
             parser.error(f"--config {path}: {key} must be a single value, got {value!r}")
         else:
             words += [f"--{key}", str(value)]
     return words
+
+
+def _key_hint(key: str, actions: dict) -> str:
+    """An unknown config key, with what to write instead: a flag's key for Trainer's (`bf16: true` -> `mixed_precision:
+    bf16`), the key it resembles for a typo."""
+    close = difflib.get_close_matches(key.lower(), actions, 1, TYPO_CUTOFF)
+    hint = UPSTREAM_FLAGS.get(f"--{key}") or (close and close[0])
+    if key.startswith("no-") and key[3:] in actions:  # a switch's --no- form
+        hint = f"{key[3:]}: false"
+    if hint and hint.startswith("--"):  # a flag and its value, written as a key
+        flag, _, value = hint[2:].partition(" ")
+        hint = f"{flag}: {value}" if value else flag
+    return f"{key!r}" + (f" (did you mean {hint}?)" if hint else "")
 
 
 def in_notebook() -> bool:
@@ -641,6 +698,8 @@ def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argpars
     """Parse `argv` (default: sys.argv; in a notebook, nothing), with `--config`'s values before the command line."""
     command_line = _command_line(argv)
     first = parser.parse_args(command_line)
+    if sum(word == "--config" or word.startswith("--config=") for word in command_line) > 1:  # argparse keeps the last
+        parser.error("--config given more than once: merge the files into one (the command line still wins over it)")
     if first.config is None:
         return first
     return parser.parse_args(_config_words(parser, first.config) + command_line)
@@ -684,7 +743,7 @@ def _task_spec(words: list[str]) -> str:
     """--task from the command line, else from the --config file, else auto: the task decides which flags exist."""
     pre = ArgumentParser(prog="train.py", add_help=False)
     pre.add_argument("--task")
-    pre.add_argument("--config", type=Path)
+    pre.add_argument("--config", type=_path)
     known, _ = pre.parse_known_args(words)
     if known.task is None and known.config is not None:
         return str(_read_config(pre, known.config).get("task") or "auto")

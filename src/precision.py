@@ -119,6 +119,9 @@ def choose_precision(requested: str | None, on_cpu: bool, saved: str | None = No
             )
         return saved, "the precision the run was trained with (args.json)"
     configured = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if configured not in PRECISIONS:  # set by hand (BF16, fp8): accelerate would fail with a traceback
+        raise UserError(f"ACCELERATE_MIXED_PRECISION={configured} is not one of {', '.join(PRECISIONS)}: set it to "
+                        "one of them (lower case), or pass --mixed_precision")  # fmt: skip
     if configured != "no":
         return configured, "accelerate config"
     state = PartialState(cpu=on_cpu)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
+from accelerate.logging import get_logger
 
 from src.errors import UserError
 
@@ -64,10 +65,13 @@ def threads_chosen_by_user() -> int | None:
     return int(value)
 
 
+def local_world_size() -> int:
+    return next((int(os.environ[name]) for name in LOCAL_WORLD_SIZE_VARIABLES if name in os.environ), 1)
+
+
 def set_cpu_threads(requested: int | None) -> int:
     """Give this process its share of the machine's cores, or what the user chose (`requested` is --cpu_threads)."""
-    local_world_size = next((int(os.environ[name]) for name in LOCAL_WORLD_SIZE_VARIABLES if name in os.environ), 1)
-    threads = requested or threads_chosen_by_user() or max(1, physical_cores() // local_world_size)
+    threads = requested or threads_chosen_by_user() or max(1, physical_cores() // local_world_size())
     torch.set_num_threads(threads)
     return threads
 
@@ -94,6 +98,12 @@ def make_accelerator(args, saved_precision: str | None, **options):
     # precisions on this machine's threads, and every rank takes its answer.
     PartialState(cpu=on_cpu, timeout=timedelta(seconds=args.ddp_timeout))
     threads = set_cpu_threads(args.cpu_threads) if on_cpu else torch.get_num_threads()
+    if on_cpu and local_world_size() > physical_cores():  # a GPU config (multi_gpu.yaml's 8) on a machine without GPUs
+        get_logger(__name__).warning(
+            f"{local_world_size()} processes share this machine's {physical_cores()} CPU cores (it has no GPU): they "
+            "wait for each other; for CPUs, launch with --config_file accelerate_configs/cpu.yaml and at most "
+            f"--num_processes {physical_cores()}"
+        )
     precision, reason = choose_precision(args.mixed_precision, on_cpu, saved_precision)
     with one_precision_per_process(precision):
         return Accelerator(cpu=on_cpu, mixed_precision=precision, **options), reason, threads

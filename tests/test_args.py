@@ -84,6 +84,12 @@ def test_defaults_are_sensible():
         (["--eval_accumulation_steps", "4"], "--eval_accumulation_steps -> nothing (evaluation gathers each batch"),
         (["--dataset_text_field=text"], "--dataset_text_field -> --text_column"),
         (["--padding_free"], "--padding_free -> --packing"),
+        # A launcher's flags after the script, and torch.distributed.launch's.
+        (
+            ["--num_processes", "2", "--local-rank=0"],
+            "--num_processes -> accelerate launch --num_processes N train.py "
+            "(the launcher's flags go before the script), --local-rank -> torchrun train.py",
+        ),  # fmt: skip
         (["--eos_token", "</s>"], "unrecognized arguments: --eos_token </s> (see --help)"),  # no --hub_token hint
     ],
 )
@@ -116,15 +122,25 @@ def test_yaml_config_is_read_and_the_command_line_wins(tmp_path):
 @pytest.mark.parametrize(
     "text,culprit",
     [
-        ("learning_rat: 0.1\n", "unknown key 'learning_rat'; did you mean 'learning_rate'?"),
+        ("learning_rat: 0.1\n", "unknown key(s) 'learning_rat' (did you mean learning_rate?)"),
+        # Every unknown key at once, with what to write in the file (Trainer's, a launcher's, an upper-case typo).
+        (
+            "bf16: true\nsave_steps: 500\nLEARNING_RATE: 1e-4\ndistributed_type: MULTI_CPU\n",
+            "unknown key(s) 'bf16' (did you mean mixed_precision: bf16?); 'save_steps' (did you mean "
+            "checkpointing_steps: N?); 'LEARNING_RATE' (did you mean learning_rate?); 'distributed_type' (did you mean "
+            "accelerate launch --config_file FILE train.py (an accelerate config, not train.py's)?)",
+        ),
+        ("learning_rate: 1e-4\nlearning_rate: 3e-5\n", "learning_rate given twice"),
+        ("max_time: 1:30\n", "--max_time: must be a number, got '1:30'"),  # YAML 1.1's 90 (minutes and seconds)
         ("max_length: 64\nblock_size: 256\n", "max_length and block_size are the same flag: keep one"),
-        ("no-group_by_length: true\n", "unknown key 'no-group_by_length'"),
+        ("no-group_by_length: true\n", "unknown key(s) 'no-group_by_length' (did you mean group_by_length: false?)"),
         ("learning_rate: [1, 2]\n", "learning_rate must be a single value"),
         ("per_device_train_batch_size: 0\n", "--per_device_train_batch_size: must be a positive integer"),
         ("group_by_length: maybe\n", "group_by_length must be true or false"),
         ("- a\n- b\n", "must hold 'flag: value' pairs"),
         ("learning_rate: [\n", "is not valid YAML"),
-        ("report_to: off\n", "report_to is not an on/off flag and YAML read its value as False: quote it"),
+        ("report_to: off\n", "argument --report_to: invalid choice: 'off'"),  # the word written, not YAML 1.1's false
+        ("resume_from_checkpoint: true\n", "resume_from_checkpoint takes a value, not true (it is not an on/off flag)"),
         ("config: other.yaml\n", "a config file cannot name another (config: other.yaml)"),
     ],
 )
@@ -133,6 +149,19 @@ def test_bad_config_files_are_named(tmp_path, capsys, text, culprit):
     config.write_text(text)
     message = error_of(capsys, "--config", str(config))
     assert culprit in message
+
+
+def test_config_values_are_read_as_written_on_the_command_line(tmp_path, capsys, monkeypatch):
+    """YAML 1.1 reads 0123 as 83 and `on` as true; here a value means what the same word means as a flag."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = tmp_path / "run.yaml"
+    config.write_text("seed: 0123\ntext_column: on\ngroup_by_length: off\noutput_dir: ~/runs/a\n")
+    args = parse("--config", str(config))
+    assert (args.seed, args.text_column, args.group_by_length) == (123, "on", False)
+    # `~` is the home folder also where no shell expands it.
+    assert args.output_dir == tmp_path / "runs" / "a" == parse("--output_dir=~/runs/a").output_dir
+    message = error_of(capsys, "--config", str(config), "--config", str(config))
+    assert "--config given more than once: merge the files into one" in message
 
 
 def test_missing_config_file(tmp_path, capsys):
@@ -160,6 +189,11 @@ def test_evaluate_needs_a_model_from_the_command_line_or_its_config(tmp_path, ca
     args = parse_eval_args(["--config", str(config)])
     # No --output_dir: the results go to the model folder (evaluate.py's main() decides where, from this).
     assert args.model_name_or_path == str(tmp_path) and args.output_dir is None
+    config.write_text("train_file: train.csv\nlearning_rate: 1e-4\n")  # the training run's file, all keys named at once
+    with pytest.raises(SystemExit):
+        parse_eval_args(["--config", str(config)])
+    message = capsys.readouterr().err
+    assert "unknown key(s) 'train_file'; 'learning_rate'; evaluate.py reads the training run's settings" in message
 
 
 ON_OFF = ["--use_peft", "--load_best_model_at_end", "--overwrite_output_dir", "--gradient_checkpointing",
@@ -204,6 +238,8 @@ def test_yaml_takes_trls_lists_of_modules_and_quoted_true_and_false(tmp_path):
     config.write_text('use_peft: "true"\nlora_target_modules: [q_proj, v_proj]\ngroup_by_length: "False"\n')
     args = parse_train_args(["--config", str(config)])
     assert (args.use_peft, args.lora_target_modules, args.group_by_length) == (True, "q_proj,v_proj", False)
+    config.write_text("use_peft: yes\nlora_target_modules: q_proj v_proj\n")  # as --help writes them
+    assert parse_train_args(["--config", str(config)]).lora_target_modules == "q_proj,v_proj"
     config.write_text("mixed_precision: no\n")  # YAML's False: what accelerate's own files quote as 'no'
     assert parse_train_args(["--config", str(config)]).mixed_precision == "no"
 

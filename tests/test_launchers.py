@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from accelerate import debug_launcher, notebook_launcher
 from conftest import CPU_CONFIG, REPO, free_port, run_process, sentiment_rows, train_args, write_rows
 
 import src.runtime
-from src.runtime import set_cpu_threads
+from src.runtime import make_accelerator, set_cpu_threads
 
 # Each process is told the machine has 8 physical cores: on a 2-core machine a share of 1 thread could not
 # be told apart from the launchers' own OMP_NUM_THREADS=1.
@@ -85,6 +86,17 @@ def test_the_cpu_threads_flag_wins_over_everything(monkeypatch):
         assert set_cpu_threads(None) == 5, "an exported value without a launcher is the user's"
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="the processes of a machine with a GPU use the GPU")
+def test_more_processes_than_cores_on_a_machine_without_gpus_are_told_to_use_fewer(monkeypatch, caplog):
+    # multi_gpu.yaml's 8 processes on a machine of 2 cores and no GPU: accelerate starts 8 CPU processes without a word.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(src.runtime, "physical_cores", lambda: 2)
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)
+    with caplog.at_level("WARNING"):
+        make_accelerator(SimpleNamespace(ddp_timeout=60, cpu_threads=None, mixed_precision="no"), None)
+    assert "8 processes share this machine's 2 CPU cores (it has no GPU): they wait for each other" in caplog.text
 
 
 def test_the_banner_and_results_report_the_threads(tiny_model, tmp_path):

@@ -87,6 +87,9 @@ def test_who_decides_the_precision(monkeypatch):
                                                  "pass --mixed_precision no to the script")  # fmt: skip
     with pytest.raises(UserError, match="saved mixed_precision is 'fp8', not one of no, fp16, bf16.*--mixed_precision"):
         choose_precision(None, on_cpu=True, saved="fp8")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "BF16")  # set by hand: accelerate fails with a traceback
+    with pytest.raises(UserError, match="ACCELERATE_MIXED_PRECISION=BF16 is not one of no, fp16, bf16: set it"):
+        choose_precision(None, on_cpu=True)
 
 
 def decide_on_each_rank(folder):
