@@ -10,6 +10,7 @@ One script from a laptop CPU to many GPUs on many machines:
 What is learnt (model, features, loss, metrics) is the task's: src/tasks/. This file is the loop around it.
 """
 
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -19,7 +20,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import skip_first_batches
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from src.args import parse_train_args, refuse_other_tasks_flags
@@ -72,6 +73,11 @@ def build_accelerator(args, resume_path) -> tuple[Accelerator, str, int]:
         dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu),
         log_with=None if args.report_to == "none" else args.report_to,
         project_config=ProjectConfiguration(project_dir=str(args.output_dir), save_on_each_node=args.save_on_each_node),
+        # DDP reorders its gradient buckets after a process's first step, so the first step after a resume would sum 3
+        # or more ranks' gradients in another order than the uninterrupted run (2 sum alike in any order). Looking
+        # for unused parameters keeps the order, and resume exact, for a walk of the autograd graph per step (and a
+        # warning from torch).
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=int(os.getenv("WORLD_SIZE", "1")) > 2)],
     )
 
 
@@ -161,8 +167,8 @@ class Run:
     start_time: float = field(default_factory=time.perf_counter)
     eval_metrics: dict = field(default_factory=dict)
     early_stop: str | None = None
-    # This rank's share of the epoch's step losses since they were last added to state.epoch_loss_sum, on the device
-    # so that no step waits for the host.
+    # This rank's share of the epoch's step losses so far (float32), on the device so that no step waits for the host;
+    # added to state.epoch_loss_sum when the run ends.
     epoch_loss: torch.Tensor = None
 
 
@@ -296,7 +302,10 @@ def train_loop(run: Run) -> int | None:
     run.progress = tqdm(total=plan.max_train_steps, initial=state.global_step, desc="Training",
                         disable=not run.accelerator.is_local_main_process)  # fmt: skip
     run.window, run.vote = ThroughputWindow(run.accelerator.device), StopVote(run.accelerator)
-    run.epoch_loss = torch.zeros((), device=run.accelerator.device)
+    by_rank = state.epoch_loss_by_rank  # a resumed run's sums so far this epoch, restored exactly
+    run.epoch_loss = torch.tensor(
+        by_rank[run.accelerator.process_index] if by_rank else 0.0, device=run.accelerator.device
+    )
     run.early_stop = early_stop_reason(run)  # resumed after its patience ran out: nothing left to train
     for epoch in range(state.epoch, plan.num_epochs):
         if run.early_stop or state.global_step >= plan.max_train_steps:  # also a run resumed from its last step
@@ -451,15 +460,9 @@ def check_finite(run: Run):
                         f"nothing was saved since: {advice}")  # fmt: skip
 
 
-def add_epoch_loss(run: Run):
-    """Move the ranks' step losses into the state (a collective), so that checkpoints carry them over a resume."""
-    run.state.epoch_loss_sum += run.accelerator.reduce(run.epoch_loss.clone(), reduction="sum").item()
-    run.epoch_loss.zero_()
-
-
 def checkpoint(run: Run) -> bool:
     check_finite(run)
-    add_epoch_loss(run)
+    run.state.epoch_loss_by_rank = run.accelerator.gather(run.epoch_loss.reshape(1)).tolist()  # float32, kept exact
     with run.window.paused():  # throughput counts training time only
         path = save_checkpoint(run.accelerator, run.args.output_dir, asdict(run.state) | {"args": run.record},
                                is_checkpoint_writer(run.accelerator, run.args.save_on_each_node),
@@ -473,13 +476,13 @@ def finish_training(run: Run) -> dict:
     run.progress.close()
     run.window.flush(run.accelerator)  # an early stop can leave rows since the last log out of the totals
     check_finite(run)
-    add_epoch_loss(run)
+    state = run.state
+    state.epoch_loss_sum += run.accelerator.reduce(run.epoch_loss.clone(), reduction="sum").item()  # a collective
     train_runtime = time.perf_counter() - run.start_time
     if not run.eval_metrics:  # resumed from the last step: nothing left to train, but the results need metrics
         run.eval_metrics, _ = evaluate(run.model, run.eval_dataloader, run.accelerator, run.task)
     if run.early_stop:
         logger.info(f"Early stopping at step {run.state.global_step}: {run.early_stop}")
-    state = run.state
     if run.args.load_best_model_at_end and state.best_checkpoint:
         best_checkpoint = state.best_checkpoint
         run.accelerator.load_state(best_checkpoint)

@@ -13,9 +13,12 @@ class TrainState:
     best_metrics: dict = field(default_factory=dict)  # every evaluation metric at the best one
     best_checkpoint: str | None = None
     evals_without_improvement: int = 0
-    # train_loss: the step losses (over all ranks) of this epoch's steps so far, and how many steps that is.
+    # train_loss: the step losses (over all ranks) of this epoch's steps so far, and how many steps that is. Each rank
+    # sums its part in float32 until the run ends; a checkpoint keeps those sums as they are (epoch_loss_by_rank), so
+    # that train_loss does not depend on where checkpoints fell. epoch_loss_sum holds what older checkpoints folded.
     epoch_loss_sum: float = 0.0
     epoch_steps: int = 0
+    epoch_loss_by_rank: list[float] = field(default_factory=list)
 
     def advance(self, epoch: int, batches_in_epoch: int):
         """One optimizer step done, after `batches_in_epoch` batches of `epoch`."""

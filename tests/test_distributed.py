@@ -208,6 +208,18 @@ def test_three_ranks_with_uneven_shards_and_a_short_last_batch(three_ranks):
     assert worst < WEIGHTS_ATOL, f"weights differ by up to {worst} before the short batch"
 
 
+def test_three_ranks_resume_to_the_same_weights(three_ranks, tmp_path):
+    """DDP reorders its gradient buckets after a process's first step; a resumed process must sum the 3 ranks'
+    gradients in the same order as the uninterrupted run did at that step (with 2 ranks any order sums alike)."""
+    three, _ = three_ranks
+    args = json.loads((three / "args.json").read_text())
+    flags = [*train_args(args["model_name_or_path"], args["train_file"], args["validation_file"], tmp_path, *UNEVEN),
+             "--per_device_train_batch_size", "4", "--resume_from_checkpoint", str(three / "checkpoint-3")]  # fmt: skip
+    result = launch("train.py", flags, 3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert max_difference(three / "model.safetensors", tmp_path / "model.safetensors") == 0
+
+
 @pytest.fixture(scope="module")
 def single_process_evaluation(trained_tiny_model, tmp_path_factory):
     """A real `accelerate launch` of 1 process (the launcher's single-process path), the reference for the others."""

@@ -93,12 +93,13 @@ def test_missing_labels_in_training_data(tmp_path, tiny_model):
 
 
 def test_too_few_rows_to_hold_some_out_for_validation_is_one_line(tmp_path, tiny_model):
-    one = write_rows(tmp_path / "one.jsonl", [{"sentence": "good", "label": "positive"}])
-    args = train_args(tiny_model, one, one, tmp_path / "out")
+    rows = [{"sentence": "good", "label": "positive"}, {"sentence": "bad", "label": "negative"}]
+    two = write_rows(tmp_path / "two.jsonl", rows)
+    args = [*train_args(tiny_model, two, two, tmp_path / "out"), "--validation_split_percentage", "90"]
     args[args.index("--validation_file") : args.index("--validation_file") + 2] = []
     with pytest.raises(
         train.UserError,
-        match=r"10% of 1 training row\(s\) held out for validation \(at least one\) leaves none to train on: give",
+        match=r"90% of 2 training row\(s\) held out for validation \(at least one\) leaves none to train on: give",
     ):
         train.main(train.parse_train_args(args))
 

@@ -303,15 +303,19 @@ def test_max_time_checkpoints_and_resumes_exactly_in_process(tiny_model, data, t
     """The resumed half collates in 2 worker processes (--dataloader_num_workers): the same batches, in the same order,
     from the same place in the epoch as the reference run's collated in the process itself."""
     reference, folder = tmp_path / "reference", tmp_path / "timed"
-    train.main(train.parse_train_args(run_args(tiny_model, data, reference, 1)))
+    one_epoch = ("--num_train_epochs", "1")  # train_loss is the last epoch's: the one the checkpoint falls in
+    train.main(train.parse_train_args(run_args(tiny_model, data, reference, 1, *one_epoch)))
     with pytest.raises(SystemExit) as stopped:
-        train.main(train.parse_train_args(run_args(tiny_model, data, folder, 1, "--max_time", "1e-9")))
+        train.main(train.parse_train_args(run_args(tiny_model, data, folder, 1, *one_epoch, "--max_time", "1e-9")))
     assert stopped.value.code == 0, "--max_time is a planned stop, not a failure"
     (saved,) = checkpoints(folder)
     assert saved == "checkpoint-1", "the first step takes longer than 60 ns on any machine"
     resume = ("--resume_from_checkpoint", "latest", "--dataloader_num_workers", "2")
-    train.main(train.parse_train_args(run_args(tiny_model, data, folder, 1, *resume)))
+    train.main(train.parse_train_args(run_args(tiny_model, data, folder, 1, *one_epoch, *resume)))
     assert_same_weights(reference, folder)
+    # The step losses summed so far are carried over as they were, so train_loss is the same to the last bit.
+    losses = [json.loads((run / "all_results.json").read_text())["train_loss"] for run in (reference, folder)]
+    assert losses[0] == losses[1]
 
 
 def test_main_gives_back_the_signal_handlers_it_found(tiny_model, data, tmp_path):
