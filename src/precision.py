@@ -123,7 +123,7 @@ def choose_precision(requested: str | None, on_cpu: bool, saved: str | None = No
         raise UserError(f"ACCELERATE_MIXED_PRECISION={configured} is not one of {', '.join(PRECISIONS)}: set it to "
                         "one of them (lower case), or pass --mixed_precision")  # fmt: skip
     if configured != "no":
-        return configured, "accelerate config"
+        return configured, "accelerate config or accelerate launch --mixed_precision"
     state = PartialState(cpu=on_cpu)
     decision = [default_precision(on_cpu) if state.is_main_process else None]
     if state.num_processes > 1:

@@ -80,7 +80,10 @@ def test_who_decides_the_precision(monkeypatch):
     assert choose_precision("no", on_cpu=True, saved="bf16") == ("no", "--mixed_precision"), "the flag wins"
     assert choose_precision(None, on_cpu=True, saved="no")[0] == "no", "then the run's own (resume, evaluate.py)"
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # what `accelerate config` chose, passed by the launcher
-    assert choose_precision(None, on_cpu=True) == ("fp16", "accelerate config")
+    assert choose_precision(None, on_cpu=True) == (
+        "fp16",
+        "accelerate config or accelerate launch --mixed_precision",
+    )
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # launchers always pass one: 'no' is no choice
     precision, why = choose_precision(None, on_cpu=True)
     assert precision == "bf16" and why.endswith("mixed_precision 'no' is its default too, so no choice: for fp32, "
