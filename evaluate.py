@@ -71,8 +71,8 @@ def main(args):
     # What the training run was (task, labels, columns, precision, max_length), or {} for a model from elsewhere.
     record = read_record(args.model_name_or_path)
     # The training run's precision, unless told otherwise, so that its final metrics are reproduced.
-    accelerator, why, _ = make_accelerator(args, record.get("mixed_precision"))
     setup_logging()
+    accelerator, why, _ = make_accelerator(args, record.get("mixed_precision"))
     logger.info(f"Mixed precision = {accelerator.mixed_precision} ({why})")
 
     with main_process_first(accelerator, args.data_preparation_timeout):

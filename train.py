@@ -10,7 +10,6 @@ One script from a laptop CPU to many GPUs on many machines:
 What is learnt (model, features, loss, metrics) is the task's: src/tasks/. This file is the loop around it.
 """
 
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -20,7 +19,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import skip_first_batches
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from src.args import parse_train_args, refuse_other_tasks_flags
@@ -37,7 +36,7 @@ from src.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from src.data import check_columns, load_raw_splits, validation_splits
+from src.data import check_columns, load_raw_splits
 from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli
 from src.evaluation import evaluate, evaluate_more
 from src.hub import check_hub_access, push_to_hub
@@ -73,11 +72,6 @@ def build_accelerator(args, resume_path) -> tuple[Accelerator, str, int]:
         dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu),
         log_with=None if args.report_to == "none" else args.report_to,
         project_config=ProjectConfiguration(project_dir=str(args.output_dir), save_on_each_node=args.save_on_each_node),
-        # DDP reorders its gradient buckets after a process's first step, so the first step after a resume would sum 3
-        # or more ranks' gradients in another order than the uninterrupted run (2 sum alike in any order). Looking
-        # for unused parameters keeps the order, and resume exact, for a walk of the autograd graph per step (and a
-        # warning from torch).
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=int(os.getenv("WORLD_SIZE", "1")) > 2)],
     )
 
 
@@ -97,12 +91,10 @@ def load_data_and_model(args, accelerator):
             refuse_other_tasks_flags(args, cls)
         else:
             cls = task_class(args.task)
-        # Labels from the whole split, as transformers' run_*.py scripts, before any rows are held out for validation.
-        task = cls.from_data(args, train)
-        raw = validation_splits(raw, args)
+        task = cls.from_data(args, train)  # labels from the whole split, as transformers' run_*.py scripts
         check_columns(raw, task.record())
         if args.max_train_samples:
-            raw["train"] = raw["train"].take(args.max_train_samples)
+            raw["train"] = train.take(args.max_train_samples)
         tokenizer = task.load_tokenizer(args.tokenizer_name, args)
     with errors_reach_every_rank(accelerator, args.data_preparation_timeout):
         model = task.build_model(args, tokenizer, accelerator.mixed_precision)
@@ -177,8 +169,8 @@ def main(args):
     check_output_dir(args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
     resume = args.resume_from_checkpoint
     resume_path = resolve_checkpoint(resume, args.output_dir) if resume else None
-    accelerator, precision_reason, cpu_threads = build_accelerator(args, resume_path)
     setup_logging()
+    accelerator, precision_reason, cpu_threads = build_accelerator(args, resume_path)
     hub_target = check_hub_access(args, accelerator)  # in seconds, before hours of training
     set_seed(args.seed)
 

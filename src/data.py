@@ -92,10 +92,9 @@ def pick_split(splits: DatasetDict, split: str) -> str | None:
 
 
 def load_raw_splits(args) -> DatasetDict:
-    """The 'train' split that train.py asks for (the demo task when no data is named), its 'validation' split if the
-    data has one, and any further validation split evaluated at the end ('validation_mm': MNLI's mismatched one).
-    The training split is whole: the task takes its labels from all of it, the rows that `validation_splits` holds
-    out included, and train.py keeps --max_train_samples rows after."""
+    """The 'train' and 'validation' splits that train.py asks for (the demo task when no data is named), and
+    any further validation split evaluated at the end ('validation_mm': MNLI's mismatched one). The training split
+    is whole: the task takes its labels from all of it, and train.py keeps --max_train_samples rows after."""
     if args.task_name and not args.train_file:
         text, pair, _, _ = GLUE_TASKS[args.task_name]
         columns = ", ".join(c for c in (text, pair, "label") if c)
@@ -118,25 +117,6 @@ def load_raw_splits(args) -> DatasetDict:
         from src.demo_data import make_demo_splits
 
         splits = make_demo_splits()
-    if args.task_name and args.train_file:
-        text, pair, _, _ = GLUE_TASKS[args.task_name]
-        found = splits["train"].column_names
-        missing = [c for c in (text, pair) if c and c not in found]
-        if missing and (args.text_column, args.text_pair_column) == (text, pair):  # GLUE's names, not the user's
-            raise UserError(
-                f"--task_name {args.task_name} reads the column(s) {', '.join(c for c in (text, pair) if c)}, and "
-                f"{args.train_file} has no {', '.join(missing)} (its columns: {', '.join(found)}); rename them, or "
-                "name yours with --text_column and --text_pair_column"
-            )
-        for name in splits:
-            splits[name] = glue_labels(splits[name], args.task_name, args.label_column)
-    check_column_flags(args, splits["train"].column_names)
-    return splits
-
-
-def validation_splits(splits: DatasetDict, args) -> DatasetDict:
-    """`splits` with a 'validation' split (--validation_split_percentage of the training rows, held out, where the data
-    has none) and every validation split cut to --max_eval_samples rows."""
     if "validation" not in splits:
         percent = args.validation_split_percentage
         try:
@@ -151,6 +131,19 @@ def validation_splits(splits: DatasetDict, args) -> DatasetDict:
     for name in splits:
         if name.startswith("validation") and args.max_eval_samples:
             splits[name] = splits[name].take(args.max_eval_samples)
+    if args.task_name and args.train_file:
+        text, pair, _, _ = GLUE_TASKS[args.task_name]
+        found = splits["train"].column_names
+        missing = [c for c in (text, pair) if c and c not in found]
+        if missing and (args.text_column, args.text_pair_column) == (text, pair):  # GLUE's names, not the user's
+            raise UserError(
+                f"--task_name {args.task_name} reads the column(s) {', '.join(c for c in (text, pair) if c)}, and "
+                f"{args.train_file} has no {', '.join(missing)} (its columns: {', '.join(found)}); rename them, or "
+                "name yours with --text_column and --text_pair_column"
+            )
+        for name in splits:
+            splits[name] = glue_labels(splits[name], args.task_name, args.label_column)
+    check_column_flags(args, splits["train"].column_names)
     return splits
 
 

@@ -119,9 +119,10 @@ def choose_precision(requested: str | None, on_cpu: bool, saved: str | None = No
             )
         return saved, "the precision the run was trained with (args.json)"
     configured = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if configured not in PRECISIONS:  # set by hand (BF16, fp8): accelerate would fail with a traceback
-        raise UserError(f"ACCELERATE_MIXED_PRECISION={configured} is not one of {', '.join(PRECISIONS)}: set it to "
-                        "one of them (lower case), or pass --mixed_precision")  # fmt: skip
+    if configured not in PRECISIONS:  # fp8 from an accelerate config, BF16 set by hand: a traceback in accelerate
+        raise UserError(f"ACCELERATE_MIXED_PRECISION={configured} (from `accelerate config`, the launcher or your "
+                        f"environment) is not one of {', '.join(PRECISIONS)}, the precisions train.py runs in: "
+                        "change it, or pass --mixed_precision")  # fmt: skip
     if configured != "no":
         return configured, "accelerate config or accelerate launch --mixed_precision"
     state = PartialState(cpu=on_cpu)

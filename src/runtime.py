@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
+from accelerate.utils import DistributedDataParallelKwargs
 
 from src.errors import UserError
 
@@ -96,7 +97,7 @@ def make_accelerator(args, saved_precision: str | None, **options):
     # Without cpu=True, torchrun or `--multi_gpu` on a machine without GPUs would start N unrelated
     # single-process runs instead of N ranks of one. The process group comes first: rank 0 may time both
     # precisions on this machine's threads, and every rank takes its answer.
-    PartialState(cpu=on_cpu, timeout=timedelta(seconds=args.ddp_timeout))
+    state = PartialState(cpu=on_cpu, timeout=timedelta(seconds=args.ddp_timeout))
     threads = set_cpu_threads(args.cpu_threads) if on_cpu else torch.get_num_threads()
     if on_cpu and local_world_size() > physical_cores():  # a GPU config (multi_gpu.yaml's 8) on a machine without GPUs
         get_logger(__name__).warning(
@@ -105,8 +106,13 @@ def make_accelerator(args, saved_precision: str | None, **options):
             f"--num_processes {physical_cores()}"
         )
     precision, reason = choose_precision(args.mixed_precision, on_cpu, saved_precision)
+    # DDP reorders its gradient buckets after a process's first step, so the first step after a resume would sum 3 or
+    # more ranks' gradients in another order than the uninterrupted run (2 sum alike in any order). Looking for unused
+    # parameters keeps the order, and resume exact, for a walk of the autograd graph per step (and torch's warning).
+    exact_resume = DistributedDataParallelKwargs(find_unused_parameters=state.num_processes > 2)
     with one_precision_per_process(precision):
-        return Accelerator(cpu=on_cpu, mixed_precision=precision, **options), reason, threads
+        accelerator = Accelerator(cpu=on_cpu, mixed_precision=precision, kwargs_handlers=[exact_resume], **options)
+        return accelerator, reason, threads
 
 
 @contextmanager

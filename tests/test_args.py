@@ -130,7 +130,14 @@ def test_yaml_config_is_read_and_the_command_line_wins(tmp_path):
             "checkpointing_steps: N?); 'LEARNING_RATE' (did you mean learning_rate?); 'distributed_type' (did you mean "
             "accelerate launch --config_file FILE train.py (an accelerate config, not train.py's)?)",
         ),
-        ("learning_rate: 1e-4\nlearning_rate: 3e-5\n", "learning_rate given twice"),
+        (
+            "seed: 1\nlearning_rate: 1e-4\nlearning_rate: 3e-5\n",
+            'learning_rate given twice in "<unicode string>", line 3',
+        ),
+        # Trainer's flags whose hint is a flag with a note, and a --no- form of a flag that is not on/off.
+        ("warmup_steps: 3\n", "'warmup_steps' (did you mean num_warmup_steps (steps) or warmup_ratio?)"),
+        ("no-seed: 1\n", "unknown key(s) 'no-seed' (see --help)"),
+        ("lora_target_modules: {q_proj: 1}\n", "lora_target_modules must be a single value"),
         ("max_time: 1:30\n", "--max_time: must be a number, got '1:30'"),  # YAML 1.1's 90 (minutes and seconds)
         ("max_length: 64\nblock_size: 256\n", "max_length and block_size are the same flag: keep one"),
         ("no-group_by_length: true\n", "unknown key(s) 'no-group_by_length' (did you mean group_by_length: false?)"),
@@ -155,9 +162,11 @@ def test_config_values_are_read_as_written_on_the_command_line(tmp_path, capsys,
     """YAML 1.1 reads 0123 as 83 and `on` as true; here a value means what the same word means as a flag."""
     monkeypatch.setenv("HOME", str(tmp_path))
     config = tmp_path / "run.yaml"
-    config.write_text("seed: 0123\ntext_column: on\ngroup_by_length: off\noutput_dir: ~/runs/a\n")
+    config.write_text("seed: 0123\ntext_column: on\ngroup_by_length: off\noutput_dir: ~/runs/a\n"
+                      "resume_from_checkpoint: ~/runs/a/checkpoint-2\n")  # fmt: skip
     args = parse("--config", str(config))
     assert (args.seed, args.text_column, args.group_by_length) == (123, "on", False)
+    assert args.resume_from_checkpoint == str(tmp_path / "runs" / "a" / "checkpoint-2")
     # `~` is the home folder also where no shell expands it.
     assert args.output_dir == tmp_path / "runs" / "a" == parse("--output_dir=~/runs/a").output_dir
     message = error_of(capsys, "--config", str(config), "--config", str(config))
@@ -194,6 +203,11 @@ def test_evaluate_needs_a_model_from_the_command_line_or_its_config(tmp_path, ca
         parse_eval_args(["--config", str(config)])
     message = capsys.readouterr().err
     assert "unknown key(s) 'train_file'; 'learning_rate'; evaluate.py reads the training run's settings" in message
+    config.write_text("validation_fil: dev.csv\n")  # a typo of its own key: no word of train.py's
+    with pytest.raises(SystemExit):
+        parse_eval_args(["--config", str(config)])
+    message = capsys.readouterr().err
+    assert "'validation_fil' (did you mean validation_file?)" in message and "args.json" not in message
 
 
 ON_OFF = ["--use_peft", "--load_best_model_at_end", "--overwrite_output_dir", "--gradient_checkpointing",
@@ -240,6 +254,11 @@ def test_yaml_takes_trls_lists_of_modules_and_quoted_true_and_false(tmp_path):
     assert (args.use_peft, args.lora_target_modules, args.group_by_length) == (True, "q_proj,v_proj", False)
     config.write_text("use_peft: yes\nlora_target_modules: q_proj v_proj\n")  # as --help writes them
     assert parse_train_args(["--config", str(config)]).lora_target_modules == "q_proj,v_proj"
+    config.write_text("<<: {seed: 3, use_peft: true, lora_r: 8}\nlora_r: 4\n")  # a YAML merge key, overridden
+    assert (parse_train_args(["--config", str(config)]).seed, parse_train_args(["--config", str(config)]).lora_r) == (
+        3,
+        4,
+    )
     config.write_text("mixed_precision: no\n")  # YAML's False: what accelerate's own files quote as 'no'
     assert parse_train_args(["--config", str(config)]).mixed_precision == "no"
 

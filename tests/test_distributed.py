@@ -218,6 +218,7 @@ def test_three_ranks_resume_to_the_same_weights(three_ranks, tmp_path):
     result = launch("train.py", flags, 3)
     assert result.returncode == 0, result.stderr[-3000:]
     assert max_difference(three / "model.safetensors", tmp_path / "model.safetensors") == 0
+    assert results(tmp_path)["train_loss"] == results(three)["train_loss"]
 
 
 @pytest.fixture(scope="module")

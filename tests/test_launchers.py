@@ -94,9 +94,15 @@ def test_more_processes_than_cores_on_a_machine_without_gpus_are_told_to_use_few
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setattr(src.runtime, "physical_cores", lambda: 2)
     monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)
+    args = SimpleNamespace(ddp_timeout=60, cpu_threads=None, mixed_precision="no")
     with caplog.at_level("WARNING"):
-        make_accelerator(SimpleNamespace(ddp_timeout=60, cpu_threads=None, mixed_precision="no"), None)
+        make_accelerator(args, None)
     assert "8 processes share this machine's 2 CPU cores (it has no GPU): they wait for each other" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # as many as the cores: nothing to say
+    with caplog.at_level("WARNING"):
+        make_accelerator(args, None)
+    assert "share this machine's" not in caplog.text
 
 
 def test_the_banner_and_results_report_the_threads(tiny_model, tmp_path):

@@ -9,6 +9,7 @@ reach only the launcher, which forwards the signal; torchrun starts each rank in
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -310,12 +311,22 @@ def test_max_time_checkpoints_and_resumes_exactly_in_process(tiny_model, data, t
     assert stopped.value.code == 0, "--max_time is a planned stop, not a failure"
     (saved,) = checkpoints(folder)
     assert saved == "checkpoint-1", "the first step takes longer than 60 ns on any machine"
+    # A checkpoint of an earlier version, which added the ranks' loss sums up into epoch_loss_sum, resumes too.
+    earlier = tmp_path / "earlier"
+    shutil.copytree(folder, earlier)
+    state_file = earlier / saved / "training_state.json"
+    state = json.loads(state_file.read_text())
+    state["epoch_loss_sum"] = sum(state.pop("epoch_loss_by_rank"))
+    state_file.write_text(json.dumps(state))
     resume = ("--resume_from_checkpoint", "latest", "--dataloader_num_workers", "2")
     train.main(train.parse_train_args(run_args(tiny_model, data, folder, 1, *one_epoch, *resume)))
     assert_same_weights(reference, folder)
     # The step losses summed so far are carried over as they were, so train_loss is the same to the last bit.
     losses = [json.loads((run / "all_results.json").read_text())["train_loss"] for run in (reference, folder)]
     assert losses[0] == losses[1]
+    train.main(train.parse_train_args(run_args(tiny_model, data, earlier, 1, *one_epoch, "--resume_from_checkpoint",
+                                               "latest")))  # fmt: skip
+    assert json.loads((earlier / "all_results.json").read_text())["train_loss"] == pytest.approx(losses[0], rel=1e-6)
 
 
 def test_main_gives_back_the_signal_handlers_it_found(tiny_model, data, tmp_path):

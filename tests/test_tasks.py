@@ -122,7 +122,7 @@ def test_messy_classification_data_gets_a_warning_that_says_what_to_fix(tmp_path
         detect_task(load_file(tmp_path / "mixed.jsonl"), "label")
     with pytest.raises(UserError, match=r"not among the model's labels \(B-PER O I-0, .*, \.\.\.\), those of its"):
         task.features(Dataset.from_list([{"text": "a", "bio": "O"}]), AutoTokenizer.from_pretrained(tiny_model), 8)
-    # A CSV's empty cells (missing) and blank ones: each example is classified from an empty text, with a warning.
+    # A CSV's empty cells (missing) and blank ones: each is read as an empty text, with a warning.
     # Examples as long as --max_length (most of them cut there) are counted.
     rows = [
         {"text": text, "labels": label} for text, label in (("", "pos"), ("b", "neg"), (" ", "pos"), ("a " * 9, "neg"))
@@ -130,7 +130,7 @@ def test_messy_classification_data_gets_a_warning_that_says_what_to_fix(tmp_path
     blank = load_file(write_rows(tmp_path / "b.csv", rows))
     with caplog.at_level("INFO"):
         detect_task(blank, "labels").features(blank, AutoTokenizer.from_pretrained(tiny_model), 8)
-    assert "2 of 4 rows have no text in column 'text' (empty or missing): each is classified from an" in caplog.text
+    assert "2 of 4 rows have no text in column 'text' (empty or missing): it is read as an empty text" in caplog.text
     assert "1 of 4 examples reach --max_length 8 tokens: longer texts are cut there" in caplog.text
 
 

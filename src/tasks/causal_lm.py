@@ -10,6 +10,7 @@ TRL's defaults: a completion only (--completion_only_loss), every token of a cha
 import bisect
 import hashlib
 import math
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class CausalLM(Task):
         )
         group.add_argument(
             "--chat_template_path",
+            type=os.path.expanduser,  # `~` also where no shell expands it (a --config file)
             help="A Jinja chat template for chat rows, for a model whose tokenizer has none; saved with the "
             "tokenizer. E.g. examples/chat_template.jinja.",
         )

@@ -201,9 +201,9 @@ class SequenceClassification(Task):
             raise UserError(f"label column {label_column!r} holds {rows}, but the model does {self.describe()}")
         id_of = label_finder(self.label_names)
         for column in filter(None, (text_column, text_pair_column)):
-            if blank := _blank_texts(dataset, column):  # a CSV's empty cells: classified from an empty text
+            if blank := _blank_texts(dataset, column):  # a CSV's empty cells
                 logger.warning(f"{blank} of {len(dataset)} rows have no text in column {column!r} (empty or missing): "
-                               "each is classified from an empty text; drop or fill those rows")  # fmt: skip
+                               "it is read as an empty text; drop or fill those rows")  # fmt: skip
 
         def encode(rows, indices):
             texts = [str(t) if t is not None else "" for t in rows[text_column]]
@@ -439,7 +439,8 @@ def _blank_texts(dataset: Dataset, column: str) -> int:
     texts = dataset.with_format("arrow")[column]
     if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
         return texts.null_count  # numbers, say: read as their text
-    return pc.sum(pc.fill_null(pc.equal(pc.utf8_trim_whitespace(texts), ""), True)).as_py() or 0
+    blank = pc.or_(pc.equal(pc.utf8_length(texts), 0), pc.utf8_is_space(texts))  # null where the text is
+    return pc.sum(pc.fill_null(blank, True)).as_py() or 0
 
 
 def _multi_label_names(dataset: Dataset, label_column: str) -> tuple[str, ...]:
