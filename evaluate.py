@@ -27,7 +27,7 @@ from src.loaders import build_eval_dataloader, padding_options
 from src.model import prepare_for_evaluation, resolve_max_length
 from src.record import DEFAULT_TASK, RECORD_FILE, read_record
 from src.reporting import setup_logging, write_json
-from src.runtime import make_accelerator, refuse_fsdp_without_gpus
+from src.runtime import forget_accelerate_state, make_accelerator, refuse_fsdp_without_gpus
 from src.tasks import task_class, task_of_model
 
 logger = get_logger(__name__)
@@ -129,6 +129,7 @@ def main(args):
     if accelerator.is_main_process:
         write_results(args.output_dir or Path(args.model_name_or_path), metrics, columns, task, data, generations)
     accelerator.end_training()
+    forget_accelerate_state()
     return metrics
 
 

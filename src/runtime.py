@@ -115,6 +115,16 @@ def make_accelerator(args, saved_precision: str | None, **options):
         return accelerator, reason, threads
 
 
+def forget_accelerate_state():
+    """At the end of main(): Accelerate's state of the process (precision, devices, the ended process group) is
+    dropped, so that a later run in the same notebook kernel or script, in any precision, or a notebook_launcher
+    call, starts as in a new process."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 @contextmanager
 def one_precision_per_process(precision: str):
     """Around creating the Accelerator: Accelerate fixes the precision for the life of the process, so a second run

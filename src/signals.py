@@ -6,14 +6,18 @@ or a container's stop reaches only the launcher.
 
 import os
 import signal
+import threading
 
 import torch
+from accelerate.logging import get_logger
 
 from src.runtime import under_launcher
 
 # SIGTERM: SLURM, Kubernetes, systemd and `docker stop`; SIGINT: Ctrl-C; SIGHUP: a closed terminal;
 # SIGUSR1: SLURM's warning before the time limit (`#SBATCH --signal=USR1@120`).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+
+logger = get_logger(__name__)
 
 
 class StopSignals:
@@ -36,6 +40,11 @@ class StopSignals:
         self.launcher = os.getppid() if under_launcher() else None
 
     def __enter__(self):
+        self.previous = {}
+        if threading.current_thread() is not threading.main_thread():  # main() in a thread (a web app, a notebook's)
+            logger.warning("train.py runs outside the main thread, where Python cannot catch signals: a stop signal "
+                           "ends it without a checkpoint (--max_time still stops with one)")  # fmt: skip
+            return self
         # A signal ignored by whoever started us stays ignored: `nohup python train.py &` must outlive its
         # terminal's SIGHUP, as a shell's background job ignores Ctrl-C.
         self.previous = {

@@ -340,6 +340,45 @@ def test_main_gives_back_the_signal_handlers_it_found(tiny_model, data, tmp_path
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    # And Accelerate's state: a later run in this process (or notebook_launcher) may choose another precision.
+    from accelerate import Accelerator
+
+    assert Accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"
+
+
+def test_a_signal_during_the_final_save_stops_the_run_once_it_is_saved(tiny_model, data, tmp_path, monkeypatch):
+    """Ctrl-C while the model is saved: the save ends, then the run stops as a signal in the loop would (a loop over
+    seeds in a notebook or script ends there), not as if it had not been pressed."""
+    save_final = train.save_final
+
+    def interrupted(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        save_final(*args)
+
+    monkeypatch.setattr(train, "save_final", interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stopped:
+        train.main(train.parse_train_args(run_args(tiny_model, data, out, 1, "--max_train_steps", "2")))
+    assert stopped.value.code == 128 + signal.SIGINT
+    assert (out / "all_results.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_outside_the_main_thread_stop_signals_are_not_caught_and_say_so(caplog):
+    """main() in a thread (a web app's, a notebook's): Python installs signal handlers in the main thread only."""
+    from accelerate import PartialState
+
+    PartialState(cpu=True)  # accelerate's logger
+    requested = []
+
+    def enter():
+        with train.StopSignals() as stop_signals:
+            requested.append(stop_signals.requested())
+
+    with caplog.at_level("WARNING"):
+        thread = threading.Thread(target=enter)
+        thread.start()
+        thread.join()
+    assert requested == [0] and "outside the main thread, where Python cannot catch signals" in caplog.text
 
 
 def test_nohup_keeps_the_run_going_when_its_terminal_closes(tiny_model, data, tmp_path):

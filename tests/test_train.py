@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from accelerate import PartialState
 from conftest import (
     LOSS_ATOL,
     load_script,
@@ -176,6 +177,7 @@ def test_evaluate_script_writes_results_predictions_and_picture(trained_tiny_mod
     out = tmp_path / "eval"
     run_evaluate("--model_name_or_path", trained_tiny_model, "--validation_file", data,
                  "--per_device_eval_batch_size", "5", "--output_dir", out)  # fmt: skip
+    assert not PartialState._shared_state, "Accelerate's state is left for a later run or notebook_launcher to set up"
 
     predicted, expected = expected_classification(trained_tiny_model, rows)
     written = json.loads((out / "eval_results.json").read_text())
