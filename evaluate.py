@@ -27,7 +27,7 @@ from src.loaders import build_eval_dataloader, padding_options
 from src.model import prepare_for_evaluation, resolve_max_length
 from src.record import DEFAULT_TASK, RECORD_FILE, read_record
 from src.reporting import setup_logging, write_json
-from src.runtime import forget_accelerate_state, make_accelerator, refuse_fsdp_without_gpus
+from src.runtime import accelerate_state_set_up, forget_accelerate_state, make_accelerator, refuse_fsdp_without_gpus
 from src.tasks import task_class, task_of_model
 
 logger = get_logger(__name__)
@@ -72,6 +72,7 @@ def main(args):
     record = read_record(args.model_name_or_path)
     # The training run's precision, unless told otherwise, so that its final metrics are reproduced.
     setup_logging()
+    ours = not accelerate_state_set_up()  # main() drops at its end the Accelerate state it set up, not a caller's
     accelerator, why, _ = make_accelerator(args, record.get("mixed_precision"))
     logger.info(f"Mixed precision = {accelerator.mixed_precision} ({why})")
 
@@ -129,7 +130,7 @@ def main(args):
     if accelerator.is_main_process:
         write_results(args.output_dir or Path(args.model_name_or_path), metrics, columns, task, data, generations)
     accelerator.end_training()
-    forget_accelerate_state()
+    forget_accelerate_state(ours)
     return metrics
 
 

@@ -39,7 +39,7 @@ from src.checkpoint import (
 from src.data import check_columns, load_raw_splits
 from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli
 from src.evaluation import evaluate, evaluate_more
-from src.hub import check_hub_access, push_to_hub
+from src.hub import check_hub_access, push_to_hub, upload_command
 from src.loaders import build_eval_dataloader, build_train_dataloader, padding_options
 from src.model import prepare_for_training, resolve_max_length
 from src.model_card import write_model_card
@@ -47,7 +47,7 @@ from src.optimizer import build_optimizer, build_scheduler, count_parameters, us
 from src.plan import BatchSizes, Plan, learning_rate, make_plan
 from src.record import run_record
 from src.reporting import append_jsonl, keep_records_up_to, read_jsonl, setup_logging, tracker_project, write_json
-from src.runtime import forget_accelerate_state, make_accelerator, refuse_fsdp_without_gpus
+from src.runtime import accelerate_state_set_up, forget_accelerate_state, make_accelerator, refuse_fsdp_without_gpus
 from src.signals import StopSignals, StopVote
 from src.state import TrainState
 from src.tasks import detect_task, task_class
@@ -170,6 +170,7 @@ def main(args):
     resume = args.resume_from_checkpoint
     resume_path = resolve_checkpoint(resume, args.output_dir) if resume else None
     setup_logging()
+    ours = not accelerate_state_set_up()  # main() drops at its end the Accelerate state it set up, not a caller's
     accelerator, precision_reason, cpu_threads = build_accelerator(args, resume_path)
     hub_target = check_hub_access(args, accelerator)  # in seconds, before hours of training
     set_seed(args.seed)
@@ -240,24 +241,28 @@ def main(args):
                     "total_parameters": total_parameters,
                 }
                 save_final(run, tokenizer, results)
-            if stop_status is None and stop_signals.received:  # during the final evaluation or save, which finished
-                stop_status = 128 + stop_signals.received
-                logger.info(f"The run finished and is saved; it {stop_signals.describe(stop_signals.received)} "
-                            "meanwhile, so it stops here" + (" (no upload)" if args.push_to_hub else ""))  # fmt: skip
+            if stop_status is None:  # a signal during the final evaluation or save: stop once every rank has saved
+                signum = int(accelerator.reduce(torch.tensor(stop_signals.requested(), device=accelerator.device),
+                                                reduction="max"))  # fmt: skip
+                if signum:
+                    stop_status = 128 + signum
+                    upload = f"; upload it with `{upload_command(args, hub_target)}`" if hub_target else ""
+                    logger.info(f"The run finished and is saved, and stops here ({stop_signals.describe(signum)})"
+                                f"{upload}")  # fmt: skip
         # DDP's reducer holds the process group. Freed after end_training() destroyed the group, it tears gloo down
         # while holding the GIL, which can deadlock with gloo's worker thread (seen: a finished rank that never exited).
         del model, run
         accelerator.free_memory()
         accelerator.end_training()
         if stop_status is not None:
-            forget_accelerate_state()
+            forget_accelerate_state(ours)
             raise SystemExit(stop_status)  # stopped by a signal or --max_time, with a checkpoint to resume from
         push_to_hub(args, accelerator, hub_target)  # outside StopSignals: Ctrl-C may interrupt a slow upload
     summary = ", ".join(f"{k} = {v:.4f}" for k, v in eval_metrics.items() if k != "eval_samples")
     logger.info(f"Done in {results['train_runtime']:.0f}s: {summary}")
     written = "Model, model card (README.md), all_results.json, metrics.jsonl and training_curves.png"
     logger.info(f"{written} are in {args.output_dir.resolve()}")
-    forget_accelerate_state()
+    forget_accelerate_state(ours)
     return results
 
 

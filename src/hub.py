@@ -94,25 +94,32 @@ def push_to_hub(args, accelerator, target: HubTarget | None):
     if target is None or not accelerator.is_main_process:
         return
     logger.info(f"Uploading {args.output_dir} to https://huggingface.co/{target.repo_id}")
-    # Checkpoints are for resuming here (optimizer states, several GB for large models); TensorBoard's event files
-    # are noise on a model page. The final weights, tokenizer, card, results, args.json and curves go up.
-    local_only = ["checkpoint-*", tracker_project(args.report_to, args.output_dir)]
     try:
         HfApi().upload_folder(
             repo_id=target.repo_id,
             folder_path=args.output_dir,
             commit_message="End of training",
-            ignore_patterns=[f"{folder}/" for folder in local_only] + [LOCK_FILE],
+            ignore_patterns=[f"{folder}/" for folder in _local_only(args)] + [LOCK_FILE],
             token=target.token,
         )
     except Exception as err:  # after a long training: say where the model is and how to upload it by hand
         raise UserError(
             f"--push_to_hub: the upload to {target.repo_id} failed ({_short(err)}); the model is saved in "
-            f"{args.output_dir}: upload it with `hf upload {target.repo_id} {args.output_dir} "
-            + " ".join(f"--exclude '{folder}/*'" for folder in local_only)
-            + "`"
+            f"{args.output_dir}: upload it with `{upload_command(args, target)}`"
         ) from err
     logger.info(f"Pushed to https://huggingface.co/{target.repo_id}")
+
+
+def _local_only(args) -> list[str]:
+    """Checkpoints are for resuming here (optimizer states, several GB for large models); TensorBoard's event files
+    are noise on a model page. The final weights, tokenizer, card, results, args.json and curves go up."""
+    return ["checkpoint-*", tracker_project(args.report_to, args.output_dir)]
+
+
+def upload_command(args, target: HubTarget) -> str:
+    """What uploads the output folder by hand, as push_to_hub would."""
+    excluded = " ".join(f"--exclude '{folder}/*'" for folder in _local_only(args))
+    return f"hf upload {target.repo_id} {args.output_dir} {excluded}"
 
 
 def _short(err: Exception) -> str:

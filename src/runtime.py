@@ -109,20 +109,28 @@ def make_accelerator(args, saved_precision: str | None, **options):
     # DDP reorders its gradient buckets after a process's first step, so the first step after a resume would sum 3 or
     # more ranks' gradients in another order than the uninterrupted run (2 sum alike in any order). Looking for unused
     # parameters keeps the order, and resume exact, for a walk of the autograd graph per step (and torch's warning).
-    exact_resume = DistributedDataParallelKwargs(find_unused_parameters=state.num_processes > 2)
+    handlers = list(options.pop("kwargs_handlers", []))
+    if not any(isinstance(handler, DistributedDataParallelKwargs) for handler in handlers):  # a caller's own wins
+        handlers.append(DistributedDataParallelKwargs(find_unused_parameters=state.num_processes > 2))
     with one_precision_per_process(precision):
-        accelerator = Accelerator(cpu=on_cpu, mixed_precision=precision, kwargs_handlers=[exact_resume], **options)
+        accelerator = Accelerator(cpu=on_cpu, mixed_precision=precision, kwargs_handlers=handlers, **options)
         return accelerator, reason, threads
 
 
-def forget_accelerate_state():
-    """At the end of main(): Accelerate's state of the process (precision, devices, the ended process group) is
-    dropped, so that a later run in the same notebook kernel or script, in any precision, or a notebook_launcher
-    call, starts as in a new process."""
+def accelerate_state_set_up() -> bool:
+    """Whether Accelerate's state of the process exists already (a caller's Accelerator or PartialState)."""
+    return bool(PartialState._shared_state)
+
+
+def forget_accelerate_state(set_up_by_main: bool):
+    """At the end of main(): Accelerate's state of the process (precision, devices, the ended process group), if main()
+    set it up, is dropped, so that a later run in the same notebook kernel or script, in any precision, starts as in
+    a new process. A caller's own state (its Accelerator, a notebook_launcher function's PartialState) stays."""
     from accelerate.state import AcceleratorState, GradientState
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    if set_up_by_main:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
 
 
 @contextmanager

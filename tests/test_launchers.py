@@ -105,6 +105,16 @@ def test_more_processes_than_cores_on_a_machine_without_gpus_are_told_to_use_few
     assert "share this machine's" not in caplog.text
 
 
+def test_a_callers_own_ddp_settings_are_kept():
+    """build_accelerator is where a user adds Accelerate handlers: theirs stand beside (or instead of) ours."""
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+    args = SimpleNamespace(ddp_timeout=60, cpu_threads=None, mixed_precision="no")
+    own = [DistributedDataParallelKwargs(bucket_cap_mb=10), InitProcessGroupKwargs()]
+    accelerator, _, _ = make_accelerator(args, None, kwargs_handlers=own)
+    assert accelerator.ddp_handler.bucket_cap_mb == 10
+
+
 def test_the_banner_and_results_report_the_threads(tiny_model, tmp_path):
     """`accelerate launch train.py`, the README's command, with no config: every core, said in two places."""
     train_file = write_rows(tmp_path / "train.csv", sentiment_rows(16, seed=1))

@@ -356,11 +356,15 @@ def test_a_signal_during_the_final_save_stops_the_run_once_it_is_saved(tiny_mode
         save_final(*args)
 
     monkeypatch.setattr(train, "save_final", interrupted)
+    from accelerate import PartialState
+
+    PartialState(cpu=True)  # the caller's own Accelerate state (a notebook_launcher function's, say)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as stopped:
         train.main(train.parse_train_args(run_args(tiny_model, data, out, 1, "--max_train_steps", "2")))
     assert stopped.value.code == 128 + signal.SIGINT
     assert (out / "all_results.json").is_file() and (out / "model.safetensors").is_file()
+    assert PartialState._shared_state, "main() leaves a state it did not set up"
 
 
 def test_outside_the_main_thread_stop_signals_are_not_caught_and_say_so(caplog):
