@@ -1,4 +1,5 @@
-"""What a run takes from its machine and its launcher: CPU threads, and a refusal of FSDP where it cannot shard.
+"""What a run takes from its machine and its launcher: CPU threads, the Accelerator (whose process-wide state main()
+drops at its end), and a refusal of FSDP where it cannot shard.
 
 `accelerate launch` and torchrun set OMP_NUM_THREADS=1, which would leave a CPU run on one core per process.
 """
