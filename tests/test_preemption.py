@@ -21,6 +21,7 @@ import pytest
 from conftest import (
     REPO,
     free_port,
+    launch,
     launch_command,
     load_script,
     run_process,
@@ -365,6 +366,36 @@ def test_a_signal_during_the_final_save_stops_the_run_once_it_is_saved(tiny_mode
     assert stopped.value.code == 128 + signal.SIGINT
     assert (out / "all_results.json").is_file() and (out / "model.safetensors").is_file()
     assert PartialState._shared_state, "main() leaves a state it did not set up"
+
+
+# train.py with its final save signalled on rank 1 only (a kill of one process, one node of a job preempted).
+ONE_RANK_SIGNALLED_WHILE_SAVING = f"""
+import os, signal, sys
+sys.path.insert(0, {str(REPO)!r})
+import train
+
+save_final = train.save_final
+
+def save_final_signalled(*args):
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGUSR1)
+    save_final(*args)
+
+train.save_final = save_final_signalled
+train.run_cli(train.main, train.parse_train_args)
+"""
+
+
+def test_a_signal_to_one_rank_during_the_final_save_stops_every_rank_once_saved(tiny_model, data, tmp_path):
+    """The ranks agree: rank 0, not signalled, stops too (and would not upload), after the save has ended. Rank 1 gets
+    SIGUSR1: a launcher whose rank exits early sends SIGTERM to the others, which must not be what stops rank 0."""
+    script = tmp_path / "train_signalled.py"
+    script.write_text(ONE_RANK_SIGNALLED_WHILE_SAVING)
+    out = tmp_path / "out"
+    result = launch(str(script), run_args(tiny_model, data, out, 2, "--max_train_steps", "2"))
+    assert result.returncode == LAUNCHER_STATUS, result.stderr[-3000:]
+    assert "The run finished and is saved, and stops here (received SIGUSR1)" in result.stderr  # rank 0's log
+    assert (out / "all_results.json").is_file() and (out / "model.safetensors").is_file()
 
 
 def test_outside_the_main_thread_stop_signals_are_not_caught_and_say_so(caplog):
