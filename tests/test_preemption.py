@@ -21,7 +21,6 @@ import pytest
 from conftest import (
     REPO,
     free_port,
-    launch,
     launch_command,
     load_script,
     run_process,
@@ -368,34 +367,66 @@ def test_a_signal_during_the_final_save_stops_the_run_once_it_is_saved(tiny_mode
     assert PartialState._shared_state, "main() leaves a state it did not set up"
 
 
-# train.py with its final save signalled on rank 1 only (a kill of one process, one node of a job preempted).
-ONE_RANK_SIGNALLED_WHILE_SAVING = f"""
-import os, signal, sys
+# train.py whose rank 1, in its final save, signals itself (SIGNAL=USR1: one rank of the job signalled, as a kill of
+# one process or one node preempted), or (SIGNAL=wait) says so in a file and saves once the test has signalled.
+SIGNALLED_WHILE_SAVING = f"""
+import os, signal, sys, time
+from pathlib import Path
 sys.path.insert(0, {str(REPO)!r})
 import train
 
 save_final = train.save_final
 
-def save_final_signalled(*args):
-    if os.environ["RANK"] == "1":
+def save_final_signalled(run, *args):
+    if os.environ["RANK"] == "1" and os.environ["SIGNAL"] == "USR1":
         os.kill(os.getpid(), signal.SIGUSR1)
-    save_final(*args)
+    elif os.environ["RANK"] == "1":
+        Path(os.environ["SAVING"]).touch()
+        while not run.stop_signals.received:
+            time.sleep(0.01)
+    save_final(run, *args)
 
 train.save_final = save_final_signalled
 train.run_cli(train.main, train.parse_train_args)
 """
 
 
+def signalled_run(tiny_model, data, folder, signal_name: str) -> tuple[list[str], dict]:
+    """The launch command of SIGNALLED_WHILE_SAVING on 2 ranks, and its environment."""
+    script = folder / "signalled_train.py"  # "train.py" in its name: process_tree finds its ranks
+    script.write_text(SIGNALLED_WHILE_SAVING)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SIGNAL": signal_name,
+           "SAVING": str(folder / "saving")}  # fmt: skip
+    return launch_command(str(script), run_args(tiny_model, data, folder / "out", 2, "--max_train_steps", "2")), env
+
+
 def test_a_signal_to_one_rank_during_the_final_save_stops_every_rank_once_saved(tiny_model, data, tmp_path):
     """The ranks agree: rank 0, not signalled, stops too (and would not upload), after the save has ended. Rank 1 gets
     SIGUSR1: a launcher whose rank exits early sends SIGTERM to the others, which must not be what stops rank 0."""
-    script = tmp_path / "train_signalled.py"
-    script.write_text(ONE_RANK_SIGNALLED_WHILE_SAVING)
-    out = tmp_path / "out"
-    result = launch(str(script), run_args(tiny_model, data, out, 2, "--max_train_steps", "2"))
+    command, env = signalled_run(tiny_model, data, tmp_path, "USR1")
+    result = run_process(command, 300, cwd=REPO, env=env)
     assert result.returncode == LAUNCHER_STATUS, result.stderr[-3000:]
     assert "The run finished and is saved, and stops here (received SIGUSR1)" in result.stderr  # rank 0's log
-    assert (out / "all_results.json").is_file() and (out / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "all_results.json").is_file() and (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_scancel_during_the_final_save_lets_it_finish(tiny_model, data, tmp_path):
+    """SLURM's SIGTERM to every process of the job (launcher and ranks) while rank 1 saves: the save ends, every
+    process exits, and the folder holds the finished run."""
+    command, env = signalled_run(tiny_model, data, tmp_path, "wait")
+    process = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    tree = process_tree(process, 2)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "saving").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-3000:]
+        time.sleep(0.01)
+    asked = time.monotonic()
+    signal_tree(tree, signal.SIGTERM, "all")
+    output = exit_after_stop(process, tree, asked)
+    assert process.returncode != 0, output[-3000:]
+    assert "The run finished and is saved, and stops here (received SIGTERM)" in output
+    assert (tmp_path / "out" / "all_results.json").is_file() and (tmp_path / "out" / "model.safetensors").is_file()
 
 
 def test_outside_the_main_thread_stop_signals_are_not_caught_and_say_so(caplog):

@@ -10,7 +10,6 @@ TRL's defaults: a completion only (--completion_only_loss), every token of a cha
 import bisect
 import hashlib
 import math
-import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from accelerate.logging import get_logger
 from datasets import Dataset, Value
 
-from src.args import Switch
+from src.args import Switch, local_or_hub
 from src.errors import UserError
 from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, PaddingColumnToo, padding_collator
 from src.tasks.base import Step, Task
@@ -73,7 +72,7 @@ class CausalLM(Task):
         )
         group.add_argument(
             "--chat_template_path",
-            type=os.path.expanduser,  # `~` also where no shell expands it (a --config file)
+            type=local_or_hub,
             help="A Jinja chat template for chat rows, for a model whose tokenizer has none; saved with the "
             "tokenizer. E.g. examples/chat_template.jinja.",
         )
