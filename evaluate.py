@@ -10,6 +10,9 @@ With --predict_with_generate, a causal LM's answer to each row's prompt goes int
 The files are the same whether it runs on 1 or many processes.
 """
 
+import gc
+
+gc.disable()  # during the imports, as train.py does (why: there)
 import csv
 from pathlib import Path
 
@@ -29,6 +32,9 @@ from src.record import DEFAULT_TASK, RECORD_FILE, read_record
 from src.reporting import setup_logging, write_json
 from src.runtime import accelerate_state_set_up, forget_accelerate_state, make_accelerator, refuse_fsdp_without_gpus
 from src.tasks import task_class, task_of_model
+
+gc.freeze()
+gc.enable()
 
 logger = get_logger(__name__)
 

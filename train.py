@@ -10,6 +10,12 @@ One script from a laptop CPU to many GPUs on many machines:
 What is learnt (model, features, loss, metrics) is the task's: src/tasks/. This file is the loop around it.
 """
 
+import gc
+
+# The imports below create millions of objects and no garbage: collecting during them takes ~1 s of the
+# ~5 s they cost on a small CPU. What they made lives as long as the process, so it is frozen after them
+# (never scanned again) and collection resumes.
+gc.disable()
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -52,6 +58,9 @@ from src.signals import StopSignals, StopVote
 from src.state import TrainState
 from src.tasks import detect_task, task_class
 from src.throughput import ThroughputWindow
+
+gc.freeze()
+gc.enable()
 
 logger = get_logger(__name__)
 

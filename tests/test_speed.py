@@ -1,6 +1,7 @@
 """Speed work: the sampler's padding bound and guarantees, and the benchmark scripts' own logic."""
 
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -113,3 +114,26 @@ def test_gpu_benchmark_runs_end_to_end_on_tiny_models(tmp_path):
     assert sync == {"steps": 6, "places": {}}, "the sync check ran train.py to its end (no CUDA: nothing to count)"
     table = (tmp_path / "report" / "gpu_benchmark.md").read_text()
     assert "| minilm train.py | 1 | 4 x 6 |" in table and "x |" in table.split("minilm train.py")[1].split("\n")[0]
+
+
+# Counts the garbage collections during `import <script>`, then what the process holds after it.
+COLLECTIONS_DURING_IMPORT = """
+import gc, json, py_compile, sys
+py_compile.compile(f"{sys.argv[1]}.py")  # compiling the script, before its first line runs, may collect
+collections = []
+gc.callbacks.append(lambda phase, info: phase == "start" and collections.append(info["generation"]))
+__import__(sys.argv[1])
+print(json.dumps({"collections": len(collections), "enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}))
+"""
+
+
+def test_the_scripts_import_their_libraries_without_collecting_garbage_then_collect_again():
+    """~1 s of a run's ~5 s of imports on a small CPU was garbage collection that found nothing to free."""
+    processes = {script: subprocess.Popen([sys.executable, "-c", COLLECTIONS_DURING_IMPORT, script], cwd=REPO,
+                                          stdout=subprocess.PIPE, text=True)
+                 for script in ("train", "evaluate")}  # fmt: skip
+    for script, process in processes.items():
+        seen = json.loads(process.communicate(timeout=300)[0])
+        assert seen["collections"] == 0, f"{script}.py's imports ran {seen['collections']} garbage collections"
+        assert seen["enabled"], f"{script}.py left garbage collection off"
+        assert seen["frozen"] > 100_000, "what the imports made is frozen, never scanned by a collection again"
