@@ -30,7 +30,7 @@ from src.loaders import build_eval_dataloader, padding_options
 from src.model import prepare_for_evaluation, resolve_max_length
 from src.record import DEFAULT_TASK, RECORD_FILE, read_record
 from src.reporting import setup_logging, write_json
-from src.runtime import accelerate_state_set_up, forget_accelerate_state, make_accelerator, refuse_fsdp_without_gpus
+from src.runtime import accelerate_state_of_this_run, make_accelerator, refuse_fsdp_without_gpus
 from src.tasks import task_class, task_of_model
 
 gc.freeze()
@@ -71,14 +71,20 @@ def load_split(args, keep_linebreaks: bool = True) -> Dataset:
     return data.take(args.max_eval_samples) if args.max_eval_samples else data
 
 
-def main(args):
+def main(args) -> dict:
+    """Evaluate as `args` say; returns the metrics. Accelerate's state that it sets up is dropped as it returns or
+    fails, as in train.py."""
+    with accelerate_state_of_this_run():
+        return evaluate_model(args)
+
+
+def evaluate_model(args) -> dict:
     refuse_fsdp_without_gpus()
     check_writable(args.output_dir or args.model_name_or_path)  # results go to the model folder by default
     # What the training run was (task, labels, columns, precision, max_length), or {} for a model from elsewhere.
     record = read_record(args.model_name_or_path)
     # The training run's precision, unless told otherwise, so that its final metrics are reproduced.
     setup_logging()
-    ours = not accelerate_state_set_up()  # main() drops at its end the Accelerate state it set up, not a caller's
     accelerator, why, _ = make_accelerator(args, record.get("mixed_precision"))
     logger.info(f"Mixed precision = {accelerator.mixed_precision} ({why})")
 
@@ -136,7 +142,6 @@ def main(args):
     if accelerator.is_main_process:
         write_results(args.output_dir or Path(args.model_name_or_path), metrics, columns, task, data, generations)
     accelerator.end_training()
-    forget_accelerate_state(ours)
     return metrics
 
 

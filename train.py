@@ -53,7 +53,7 @@ from src.optimizer import build_optimizer, build_scheduler, count_parameters, us
 from src.plan import BatchSizes, Plan, learning_rate, make_plan
 from src.record import run_record
 from src.reporting import append_jsonl, keep_records_up_to, read_jsonl, setup_logging, tracker_project, write_json
-from src.runtime import accelerate_state_set_up, forget_accelerate_state, make_accelerator, refuse_fsdp_without_gpus
+from src.runtime import accelerate_state_of_this_run, make_accelerator, refuse_fsdp_without_gpus
 from src.signals import StopSignals, StopVote
 from src.state import TrainState
 from src.tasks import detect_task, task_class
@@ -173,13 +173,19 @@ class Run:
     epoch_loss: torch.Tensor = None
 
 
-def main(args):
+def main(args) -> dict:
+    """Train as `args` say; returns the final results. Accelerate's state that the run sets up is dropped as it returns,
+    stops or fails, so that a later run in this process (a notebook, a loop over seeds) starts afresh."""
+    with accelerate_state_of_this_run():
+        return train(args)
+
+
+def train(args) -> dict:
     refuse_fsdp_without_gpus()
     check_output_dir(args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
     resume = args.resume_from_checkpoint
     resume_path = resolve_checkpoint(resume, args.output_dir) if resume else None
     setup_logging()
-    ours = not accelerate_state_set_up()  # main() drops at its end the Accelerate state it set up, not a caller's
     accelerator, precision_reason, cpu_threads = build_accelerator(args, resume_path)
     hub_target = check_hub_access(args, accelerator)  # in seconds, before hours of training
     set_seed(args.seed)
@@ -257,14 +263,12 @@ def main(args):
         accelerator.free_memory()
         accelerator.end_training()
         if stop_status is not None:
-            forget_accelerate_state(ours)
             raise SystemExit(stop_status)  # stopped by a signal or --max_time, with a checkpoint to resume from
         push_to_hub(args, accelerator, hub_target)  # outside StopSignals: Ctrl-C may interrupt a slow upload
     summary = ", ".join(f"{k} = {v:.4f}" for k, v in eval_metrics.items() if k != "eval_samples")
     logger.info(f"Done in {results['train_runtime']:.0f}s: {summary}")
     written = "Model, model card (README.md), all_results.json, metrics.jsonl and training_curves.png"
     logger.info(f"{written} are in {args.output_dir.resolve()}")
-    forget_accelerate_state(ours)
     return results
 
 

@@ -118,20 +118,21 @@ def make_accelerator(args, saved_precision: str | None, **options):
         return accelerator, reason, threads
 
 
-def accelerate_state_set_up() -> bool:
-    """Whether Accelerate's state of the process exists already (a caller's Accelerator or PartialState)."""
-    return bool(PartialState._shared_state)
-
-
-def forget_accelerate_state(set_up_by_main: bool):
-    """At the end of main(): Accelerate's state of the process (precision, devices, the ended process group), if main()
-    set it up, is dropped, so that a later run in the same notebook kernel or script, in any precision, starts as in
-    a new process. A caller's own state (its Accelerator, a notebook_launcher function's PartialState) stays."""
+@contextmanager
+def accelerate_state_of_this_run():
+    """Around main(): Accelerate's state of the process (precision, devices, the ended process group), if main() sets
+    it up, is dropped when main() returns, stops or fails, so that a later run in the same notebook kernel or script,
+    in any precision, starts as in a new process. A caller's own state (its Accelerator, a notebook_launcher
+    function's PartialState) stays."""
     from accelerate.state import AcceleratorState, GradientState
 
-    if set_up_by_main:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    set_up_by_caller = bool(PartialState._shared_state)
+    try:
+        yield
+    finally:
+        if not set_up_by_caller:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
 
 
 @contextmanager

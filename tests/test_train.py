@@ -34,7 +34,7 @@ evaluate_script = load_script("evaluate")
 
 
 def run_train(*argv):
-    return train.main(train.parse_train_args(list(argv)))
+    return train.main(train.parse_train_args([str(a) for a in argv]))
 
 
 def run_evaluate(*argv):
@@ -193,6 +193,21 @@ def test_evaluate_script_writes_results_predictions_and_picture(trained_tiny_mod
     names = ["negative", "positive"]
     counts = [[sum(r["label"] == t and p == q for r, p in zip(rows, predicted)) for q in names] for t in names]
     assert pictures == [counts] and sum(map(sum, counts)) == 37
+
+
+def test_a_failed_run_leaves_no_accelerate_state_behind(tiny_model, trained_tiny_model, tmp_path):
+    """A run that fails once Accelerate is set up (here: validation data without the label column) drops its state as
+    a finished run does, so that the next run in the notebook, in another precision, starts as in a new process."""
+    train_file = write_rows(tmp_path / "train.csv", sentiment_rows(8))
+    unlabelled = write_rows(tmp_path / "dev.csv", [{"sentence": r["sentence"]} for r in sentiment_rows(4, seed=1)])
+    with pytest.raises(UserError, match="the validation data has no column 'label'"):
+        run_train("--model_name_or_path", tiny_model, "--train_file", train_file, "--validation_file", unlabelled,
+                  "--output_dir", tmp_path / "out", "--mixed_precision", "no", "--report_to", "none")  # fmt: skip
+    assert not PartialState._shared_state, "train.py's failed run left Accelerate's state"
+    with pytest.raises(UserError, match="--text_column"):
+        run_evaluate("--model_name_or_path", trained_tiny_model, "--validation_file", unlabelled,
+                     "--text_column", "title", "--output_dir", tmp_path / "eval")  # fmt: skip
+    assert not PartialState._shared_state, "evaluate.py's failed run left Accelerate's state"
 
 
 def test_evaluating_data_without_the_label_column_says_so(trained_tiny_model, tmp_path, caplog):
