@@ -521,7 +521,16 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         "files its ranks need to resume. On a shared file system the nodes would overwrite each other.",
     )
 
-    _add_timeout_arguments(parser.add_argument_group("distributed"))
+    distributed = parser.add_argument_group("distributed")
+    _add_timeout_arguments(distributed)
+    distributed.add_argument(
+        "--ddp_find_unused_parameters",
+        action=Switch,
+        default=None,
+        help="DDP looks, at every step, for parameters that got no gradient: needed by a model of your own whose "
+        "parameters do not all take part in every step. Default: on with 3 or more processes (it keeps resume "
+        "exact there: docs/distributed.md), off with 2.",
+    )
 
     logging = parser.add_argument_group("logging")
     logging.add_argument(

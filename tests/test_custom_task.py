@@ -2,6 +2,7 @@
 resumed from a checkpoint, evaluated by evaluate.py, all through the task interface; and the one-line errors."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -55,6 +56,33 @@ def test_a_task_of_ones_own_trains_on_two_ranks_and_resumes_exactly(custom_runs)
     assert losses[0] > 0 and len([s for s in steps if "loss" in s]) >= 1
     record = json.loads((custom_runs["whole"] / "args.json").read_text())
     assert record["task"] == TASK and record["embedding_dim"] == 16  # its own flag, in the run record
+
+
+# The example task with a layer that its forward never calls: its parameters get no gradient in any step.
+SPARE_LAYER_TASK = """
+from torch import nn
+from examples.custom_task import BagOfWordsClassification
+
+class WithSpareLayer(BagOfWordsClassification):
+    def build_model(self, args, tokenizer, mixed_precision):
+        model = super().build_model(args, tokenizer, mixed_precision)
+        model.spare = nn.Linear(2, 2)
+        return model
+"""
+
+
+def test_a_model_with_parameters_that_get_no_gradient_trains_on_two_ranks_with_the_flag(
+    tiny_model, tmp_path, monkeypatch
+):
+    """DDP on 2 ranks stops such a model at its second step unless it looks for unused parameters: Trainer's flag."""
+    (tmp_path / "spare_layer.py").write_text(SPARE_LAYER_TASK)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    train, dev = sentiment_files(tmp_path, 16, 4)
+    flags = ["--task", "spare_layer:WithSpareLayer", "--embedding_dim", "8", "--per_device_train_batch_size", "4",
+             "--max_train_steps", "2", "--ddp_find_unused_parameters"]  # fmt: skip
+    result = launch("train.py", train_args(tiny_model, train, dev, tmp_path / "out", *flags))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "args.json").read_text())["ddp_find_unused_parameters"] is True
 
 
 def test_evaluate_py_takes_the_task_from_the_run_record(custom_runs, tmp_path):
