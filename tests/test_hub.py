@@ -2,6 +2,7 @@
 
 import json
 import logging
+import shlex
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -195,6 +196,28 @@ def test_a_failed_upload_says_where_the_model_is(fake_hub, tmp_path, one_process
                                         r"--exclude 'checkpoint-\*/\*' --exclude 'tensorboard/\*'`"):  # fmt: skip
         push_to_hub(args, one_process, HubTarget("alice/run", SECRET))
     push_to_hub(args, SimpleNamespace(is_main_process=False), HubTarget("alice/run", SECRET))  # not the main process
+
+
+def test_the_printed_upload_command_uploads_what_push_to_hub_would(fake_hub, tmp_path, one_process, monkeypatch):
+    """The `hf upload` command that a failed upload (or a stop after the final save) prints, run by huggingface_hub's
+    own CLI: the same files go up as with --push_to_hub, checkpoints and TensorBoard logs left out."""
+    from huggingface_hub.cli.hf import main as hf_cli
+
+    folder = tmp_path / "my run"
+    for name in ("model.safetensors", "README.md", "checkpoint-2/optimizer.bin", "tensorboard/events.out"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("x")
+    args = SimpleNamespace(output_dir=folder, report_to="tensorboard")
+    push_to_hub(args, one_process, HubTarget("alice/run", SECRET))
+    pushed = fake_hub.uploaded["files"]
+    assert pushed == ["README.md", "model.safetensors"]
+    fake_hub.uploaded = None
+    monkeypatch.setattr("sys.argv", shlex.split(src.hub.upload_command(args, HubTarget("alice/run", SECRET))))
+    try:
+        hf_cli()
+    except SystemExit as exit:
+        assert not exit.code, "the hf CLI refused the command"
+    assert fake_hub.uploaded["files"] == pushed and fake_hub.uploaded["repo_id"] == "alice/run"
 
 
 def test_the_model_card_of_an_adapter_run_and_unknown_settings(tmp_path):
