@@ -12,7 +12,9 @@ The files are the same whether it runs on 1 or many processes.
 
 import gc
 
-gc.disable()  # during the imports, as train.py does (why: there)
+SCRIPT = __name__ == "__main__"
+if SCRIPT:
+    gc.disable()  # during the imports, as train.py does (why: there)
 import csv
 from pathlib import Path
 
@@ -33,8 +35,9 @@ from src.reporting import setup_logging, write_json
 from src.runtime import accelerate_state_of_this_run, make_accelerator, refuse_fsdp_without_gpus
 from src.tasks import task_class, task_of_model
 
-gc.freeze()
-gc.enable()
+if SCRIPT:
+    gc.freeze()
+    gc.enable()
 
 logger = get_logger(__name__)
 

@@ -12,10 +12,12 @@ What is learnt (model, features, loss, metrics) is the task's: src/tasks/. This 
 
 import gc
 
-# The imports below create millions of objects and no garbage: collecting during them takes ~1 s of the
-# ~5 s they cost on a small CPU. What they made lives as long as the process, so it is frozen after them
-# (never scanned again) and collection resumes.
-gc.disable()
+# Run as a script, each process imports the libraries below: millions of objects and no garbage, and collecting
+# during them takes ~1 s of the ~5 s they cost on a small CPU. What they make lives as long as the process, so it is
+# frozen after them (never scanned again) and collection resumes. Imported (a notebook, the tests), nothing changes.
+SCRIPT = __name__ == "__main__"
+if SCRIPT:
+    gc.disable()
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -64,8 +66,9 @@ from src.state import TrainState
 from src.tasks import detect_task, task_class
 from src.throughput import ThroughputWindow
 
-gc.freeze()
-gc.enable()
+if SCRIPT:
+    gc.freeze()
+    gc.enable()
 
 logger = get_logger(__name__)
 

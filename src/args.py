@@ -527,9 +527,10 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         "--ddp_find_unused_parameters",
         action=Switch,
         default=None,
-        help="DDP looks, at every step, for parameters that got no gradient: needed by a model of your own whose "
-        "parameters do not all take part in every step. Default: on with 3 or more processes (it keeps resume "
-        "exact there: docs/distributed.md), off with 2.",
+        help="DDP (not FSDP or DeepSpeed) looks, at every step, for parameters that got no gradient: needed by a "
+        "model of your own whose parameters do not all take part in every step. Default: on with 3 or more "
+        "processes, where it keeps resume exact (off there, a resumed run's weights differ from an uninterrupted "
+        "run's in their last bits: docs/distributed.md), off with 2.",
     )
 
     logging = parser.add_argument_group("logging")

@@ -100,7 +100,7 @@ def push_to_hub(args, accelerator, target: HubTarget | None):
             repo_id=target.repo_id,
             folder_path=args.output_dir,
             commit_message="End of training",
-            ignore_patterns=[f"{folder}/" for folder in _local_only(args)] + [LOCK_FILE],
+            ignore_patterns=_local_only(args),
             token=target.token,
         )
     except Exception as err:  # after a long training: say where the model is and how to upload it by hand
@@ -112,14 +112,16 @@ def push_to_hub(args, accelerator, target: HubTarget | None):
 
 
 def _local_only(args) -> list[str]:
-    """Checkpoints are for resuming here (optimizer states, several GB for large models); TensorBoard's event files
-    are noise on a model page. The final weights, tokenizer, card, results, args.json and curves go up."""
-    return ["checkpoint-*", tracker_project(args.report_to, args.output_dir)]
+    """What stays out of the upload (patterns of huggingface_hub's, which `hf upload --exclude` takes too): checkpoints
+    are for resuming here (optimizer states, several GB for large models), TensorBoard's event files are noise on a
+    model page, the lock file marks a run writing here. The final weights, tokenizer, card, results, args.json and
+    curves go up."""
+    return ["checkpoint-*/", f"{tracker_project(args.report_to, args.output_dir)}/", LOCK_FILE]
 
 
 def upload_command(args, target: HubTarget) -> str:
     """What uploads the output folder by hand, as push_to_hub would."""
-    excluded = " ".join(f"--exclude '{folder}/*'" for folder in _local_only(args))
+    excluded = " ".join(f"--exclude {shlex.quote(pattern)}" for pattern in _local_only(args))
     return f"hf upload {target.repo_id} {shlex.quote(str(args.output_dir))} {excluded}"
 
 

@@ -120,18 +120,18 @@ def make_accelerator(args, saved_precision: str | None, **options):
 
 @contextmanager
 def accelerate_state_of_this_run():
-    """Around main(): Accelerate's state of the process (precision, devices, the ended process group), if main() sets
-    it up, is dropped when main() returns, stops or fails, so that a later run in the same notebook kernel or script,
-    in any precision, starts as in a new process. A caller's own state (its Accelerator, a notebook_launcher
-    function's PartialState) stays."""
+    """Around main(): Accelerate's state of the process that main() sets up (precision, devices, the ended process
+    group) is dropped when main() returns, stops or fails, so that a later run in the same notebook kernel or script,
+    in any precision, starts as in a new process. A caller's own state stays: its Accelerator's whole, or the
+    PartialState of a notebook_launcher function (the run's precision is dropped from it all the same)."""
     from accelerate.state import AcceleratorState, GradientState
 
-    set_up_by_caller = bool(PartialState._shared_state)
+    callers_partial_state, callers_accelerator = bool(PartialState._shared_state), bool(AcceleratorState._shared_state)
     try:
         yield
     finally:
-        if not set_up_by_caller:
-            AcceleratorState._reset_state(reset_partial_state=True)
+        if not callers_accelerator:
+            AcceleratorState._reset_state(reset_partial_state=not callers_partial_state)
             GradientState._reset_state()
 
 

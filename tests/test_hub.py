@@ -191,9 +191,9 @@ def test_a_failed_upload_says_where_the_model_is(fake_hub, tmp_path, one_process
     fake_hub.upload_error = ConnectionError("connection reset")
     folder = tmp_path / "my run"  # a space: the command to paste quotes the folder
     args = SimpleNamespace(output_dir=folder, report_to="tensorboard")
+    command = rf"hf upload alice/run '{folder}' --exclude 'checkpoint-\*/' --exclude tensorboard/ --exclude .lock"
     with pytest.raises(UserError, match=rf"upload to alice/run failed \(connection reset\); the model is saved in "
-                                        rf"{folder}: upload it with `hf upload alice/run '{folder}' "
-                                        r"--exclude 'checkpoint-\*/\*' --exclude 'tensorboard/\*'`"):  # fmt: skip
+                                        rf"{folder}: upload it with `{command}`"):  # fmt: skip
         push_to_hub(args, one_process, HubTarget("alice/run", SECRET))
     push_to_hub(args, SimpleNamespace(is_main_process=False), HubTarget("alice/run", SECRET))  # not the main process
 
@@ -204,7 +204,7 @@ def test_the_printed_upload_command_uploads_what_push_to_hub_would(fake_hub, tmp
     from huggingface_hub.cli.hf import main as hf_cli
 
     folder = tmp_path / "my run"
-    for name in ("model.safetensors", "README.md", "checkpoint-2/optimizer.bin", "tensorboard/events.out"):
+    for name in ("model.safetensors", "README.md", "checkpoint-2/optimizer.bin", "tensorboard/events.out", ".lock"):
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text("x")
     args = SimpleNamespace(output_dir=folder, report_to="tensorboard")

@@ -335,7 +335,8 @@ def test_main_gives_back_the_signal_handlers_it_found(tiny_model, data, tmp_path
 
     previous = {signum: signal.signal(signum, mine) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     try:
-        train.main(train.parse_train_args(run_args(tiny_model, data, tmp_path / "out", 1, "--max_train_steps", "2")))
+        train.main(train.parse_train_args(run_args(tiny_model, data, tmp_path / "out", 1, "--max_train_steps", "2",
+                                                   "--mixed_precision", "no")))  # fmt: skip
         assert all(signal.getsignal(signum) is mine for signum in previous)
     finally:
         for signum, handler in previous.items():
@@ -361,10 +362,15 @@ def test_a_signal_during_the_final_save_stops_the_run_once_it_is_saved(tiny_mode
     PartialState(cpu=True)  # the caller's own Accelerate state (a notebook_launcher function's, say)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as stopped:
-        train.main(train.parse_train_args(run_args(tiny_model, data, out, 1, "--max_train_steps", "2")))
+        train.main(train.parse_train_args(run_args(tiny_model, data, out, 1, "--max_train_steps", "2",
+                                                   "--mixed_precision", "no")))  # fmt: skip
     assert stopped.value.code == 128 + signal.SIGINT
     assert (out / "all_results.json").is_file() and (out / "model.safetensors").is_file()
     assert PartialState._shared_state, "main() leaves a state it did not set up"
+    # The run's precision went with it: the caller's next Accelerator may choose another.
+    from accelerate import Accelerator
+
+    assert Accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"
 
 
 # train.py whose rank 1, in its final save, signals itself (SIGNAL=USR1: one rank of the job signalled, as a kill of

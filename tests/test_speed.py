@@ -1,6 +1,8 @@
 """Speed work: the sampler's padding bound and guarantees, and the benchmark scripts' own logic."""
 
+import gc
 import json
+import runpy
 import subprocess
 import sys
 
@@ -116,24 +118,48 @@ def test_gpu_benchmark_runs_end_to_end_on_tiny_models(tmp_path):
     assert "| minilm train.py | 1 | 4 x 6 |" in table and "x |" in table.split("minilm train.py")[1].split("\n")[0]
 
 
-# Counts the garbage collections during `import <script>`, then what the process holds after it.
-COLLECTIONS_DURING_IMPORT = """
-import gc, json, py_compile, sys
-py_compile.compile(f"{sys.argv[1]}.py")  # compiling the script, before its first line runs, may collect
-collections = []
+# Runs a script as `python <script>.py --help` does, counting the garbage collections between its gc.disable() and its
+# first gc.freeze() (its imports), then what the process holds once it has ended.
+COLLECTIONS_DURING_IMPORTS = """
+import gc, json, runpy, sys
+script = sys.argv[1]
+collections, marks = [], {}
 gc.callbacks.append(lambda phase, info: phase == "start" and collections.append(info["generation"]))
-__import__(sys.argv[1])
-print(json.dumps({"collections": len(collections), "enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}))
+for name in ("disable", "freeze"):
+    def marked(original=getattr(gc, name), name=name):
+        marks.setdefault(name, len(collections))
+        original()
+    setattr(gc, name, marked)
+sys.argv = [script, "--help"]
+try:
+    runpy.run_path(script, run_name="__main__")
+except SystemExit:
+    pass
+print(json.dumps({"marks": marks, "enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}))
 """
 
 
 def test_the_scripts_import_their_libraries_without_collecting_garbage_then_collect_again():
     """~1 s of a run's ~5 s of imports on a small CPU was garbage collection that found nothing to free."""
-    processes = {script: subprocess.Popen([sys.executable, "-c", COLLECTIONS_DURING_IMPORT, script], cwd=REPO,
+    processes = {script: subprocess.Popen([sys.executable, "-c", COLLECTIONS_DURING_IMPORTS, script], cwd=REPO,
                                           stdout=subprocess.PIPE, text=True)
-                 for script in ("train", "evaluate")}  # fmt: skip
+                 for script in ("train.py", "evaluate.py")}  # fmt: skip
     for script, process in processes.items():
-        seen = json.loads(process.communicate(timeout=300)[0])
-        assert seen["collections"] == 0, f"{script}.py's imports ran {seen['collections']} garbage collections"
-        assert seen["enabled"], f"{script}.py left garbage collection off"
+        seen = json.loads(process.communicate(timeout=300)[0].splitlines()[-1])  # after --help's text
+        assert "disable" in seen["marks"], f"{script} collects garbage during its imports"
+        during = seen["marks"]["freeze"] - seen["marks"]["disable"]
+        assert during == 0, f"{script}'s imports ran {during} garbage collections"
+        assert seen["enabled"], f"{script} left garbage collection off"
         assert seen["frozen"] > 100_000, "what the imports made is frozen, never scanned by a collection again"
+
+
+def test_imported_the_scripts_leave_garbage_collection_as_it_was():
+    """A notebook or the tests import them: their own garbage stays collectable, and collection stays as they set it."""
+    frozen = gc.get_freeze_count()
+    gc.disable()
+    try:
+        for script in ("train.py", "evaluate.py"):
+            runpy.run_path(str(REPO / script), run_name=script.removesuffix(".py"))
+            assert not gc.isenabled() and gc.get_freeze_count() == frozen, script
+    finally:
+        gc.enable()
