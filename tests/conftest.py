@@ -2,6 +2,7 @@
 
 import contextlib
 import csv
+import gc
 import os
 import random
 import socket
@@ -21,6 +22,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # The precision decision's per-machine cache (src/precision.py): the tests neither read nor write the user's.
 os.environ["FINETUNE_CACHE_DIR"] = tempfile.mkdtemp(prefix="finetune-cache-")
+
+# Collecting the tests imports torch, transformers, datasets and accelerate: no garbage, but the collector would scan
+# what they make over and over. Off until collection has ended, then frozen (never scanned again), as the scripts
+# do after their imports; the in-process runs' own collections then stay cheap.
+gc.disable()
+
+
+def pytest_collection_finish(session):
+    gc.freeze()
+    gc.enable()
+
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_CONFIG = REPO / "accelerate_configs" / "cpu.yaml"
