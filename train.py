@@ -396,7 +396,7 @@ def train_step(run: Run, batches: list[dict]):
         with accelerator.no_sync(model) if i < len(batches) - 1 else nullcontext():
             step = task.step(model, batch)
             accelerator.backward(step.loss * scale)
-        run.window.add(step, batch)
+        run.window.add(step, task.counts(batch))
         run.epoch_loss += step.loss.detach().float() / units  # summed over ranks: the step's loss
     if run.args.max_grad_norm > 0:
         accelerator.clip_grad_norm_(model.parameters(), run.args.max_grad_norm)

@@ -3,6 +3,7 @@
 import numpy as np
 import torch
 
+from src.errors import UserError
 from src.loaders import INDEX_COLUMN
 
 # Outputs of different lengths (a label per token) are padded with this, the ignore index of the labels, so that
@@ -22,8 +23,13 @@ def evaluate(model, dataloader, accelerator, task) -> tuple[dict, dict]:
     parts = {}
     for batch in dataloader:
         index = batch.pop(INDEX_COLUMN)
+        labelled = "labels" in batch
         with torch.no_grad():
             outputs = task.step(model, batch).outputs
+        if labelled and not {"loss", "units"} <= outputs.keys():  # a task author's slip, caught at its first use
+            raise UserError(f"{type(task).__name__}.step() left out each example's 'loss' and 'units' from its outputs "
+                            "on labelled data: evaluation sums them (eval_loss) and scores only labelled outputs; see "
+                            "Step in src/tasks/base.py")  # fmt: skip
         outputs = accelerator.pad_across_processes({"index": index, **outputs}, dim=1, pad_index=PAD)
         for key, value in accelerator.gather_for_metrics(outputs).items():
             parts.setdefault(key, []).append(value.cpu())

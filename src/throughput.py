@@ -17,13 +17,14 @@ class ThroughputWindow:
         self.start = time.perf_counter()
         self.totals = Counter()  # samples, tokens and padded_tokens over the whole run
 
-    def add(self, step, batch):
-        """`step`: the batch's `Step` (its summed loss and units)."""
+    def add(self, step, counts: tuple):
+        """`step`: the batch's `Step` (its summed loss and units); `counts`: its examples, real and padded tokens."""
+        examples, tokens, padded_tokens = counts
         loss = step.loss.detach().float()
-        self.sums += torch.stack([loss, step.units.float(), batch["attention_mask"].sum().float()])
+        self.sums += torch.stack([loss, step.units.float(), torch.as_tensor(tokens, device=loss.device).float()])
         self.nonfinite += ~torch.isfinite(loss)
-        self.samples += batch["input_ids"].shape[0]
-        self.padded_tokens += batch["input_ids"].numel()
+        self.samples += examples
+        self.padded_tokens += padded_tokens
 
     def nonfinite_losses(self, accelerator) -> int:
         """NaN or infinite losses so far on all ranks (a collective: call on every rank)."""

@@ -11,11 +11,12 @@ from conftest import LOSS_ATOL, launch, load_script, run_in_process, sentiment_f
 from datasets import Dataset
 from safetensors.torch import load_file
 
+from examples.custom_task import BagOfWordsClassification
 from src.args import parse_train_args
 from src.errors import UserError
 from src.record import task_spec
 from src.tasks import TASKS, detect_task, task_class
-from src.tasks.base import Task
+from src.tasks.base import Step, Task
 from src.tasks.sequence_classification import SequenceClassification
 
 TASK = "examples.custom_task:BagOfWordsClassification"
@@ -146,6 +147,47 @@ def test_a_metric_named_but_not_returned_is_one_line_naming_the_task(tiny_model,
     argv = train_args(tiny_model, *tiny_data, tmp_path / "out", "--task", f"{__name__}:TopTwoClassification",
                       "--metric_for_best_model", "top2", "--max_train_steps", "1")  # fmt: skip
     with pytest.raises(UserError, match=r"TopTwoClassification.metric_names\(\) lists 'top2' and its metrics\(\) "):
+        run_in_process("train", argv)
+
+
+class OtherBatchKeys(BagOfWordsClassification):
+    """The example task with batches of its own keys: no `input_ids` or `attention_mask` for the loop to read."""
+
+    def collator(self, tokenizer, **options):
+        pad = super().collator(tokenizer, **options)
+
+        def collate(rows):
+            batch = pad(rows)
+            batch["words"], batch["word_mask"] = batch.pop("input_ids"), batch.pop("attention_mask")
+            return batch
+
+        return collate
+
+    def step(self, model, batch):
+        batch = dict(batch)
+        batch["input_ids"], batch["attention_mask"] = batch.pop("words"), batch.pop("word_mask")
+        return super().step(model, batch)
+
+
+def test_batches_of_a_tasks_own_keys_train_and_count_their_examples(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "out"
+    run_in_process("train", train_args(tiny_model, *tiny_data, out, "--task", f"{__name__}:OtherBatchKeys",
+                                       "--max_train_steps", "2", "--logging_steps", "1"))  # fmt: skip
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [record for record in logged if "loss" in record]
+    assert trained and all(r["samples_per_second"] > 0 and r["tokens_per_second"] == 0 for r in trained)
+
+
+class NoLossPerExample(BagOfWordsClassification):
+    def step(self, model, batch):
+        loss, units, outputs = super().step(model, batch)
+        return Step(loss, units, {key: outputs[key] for key in ("prediction", "label") if key in outputs})
+
+
+def test_a_step_without_each_examples_loss_is_one_line_at_the_first_evaluation(tiny_model, tiny_data, tmp_path):
+    argv = train_args(tiny_model, *tiny_data, tmp_path / "out", "--task", f"{__name__}:NoLossPerExample",
+                      "--max_train_steps", "1")  # fmt: skip
+    with pytest.raises(UserError, match=r"NoLossPerExample.step\(\) left out each example's 'loss' and 'units'"):
         run_in_process("train", argv)
 
 

@@ -12,7 +12,9 @@ import torch
 
 class Step(NamedTuple):
     """One batch through the model: the loss summed over its units (examples, or label tokens), how many units that
-    is, and per-example tensors (first dimension: the batch's rows) that evaluation gathers across ranks."""
+    is, and per-example tensors (first dimension: the batch's rows) that evaluation gathers across ranks. On labelled
+    data (a batch with `labels`) the outputs hold each example's summed `loss` and its `units`: eval_loss is the ratio
+    of their sums over the whole set, and `metrics()` is called only then."""
 
     loss: torch.Tensor
     units: torch.Tensor
@@ -67,11 +69,14 @@ class Task:
     @classmethod
     def from_record(cls, record: dict, args, model_dir, column_names: list[str]) -> "Task":
         """The task of a trained model, from its run's saved record (args.json, with `record()`'s keys; {} for a
-        model from elsewhere), for evaluate.py on data with these columns."""
+        model from elsewhere), for evaluate.py on data with these columns. `args` are evaluate.py's flags, not
+        train.py's: the task's own settings come from `record`."""
         raise NotImplementedError
 
     def record(self) -> dict:
-        """What evaluate.py and resume need to rebuild this task (its keys are saved at args.json's top level)."""
+        """What evaluate.py and resume need to rebuild this task. Its keys are saved at args.json's top level, over
+        the flags of the same name; a resume refuses a run whose task records other values (a changed flag of the
+        task's own, say)."""
         return {}
 
     def describe(self) -> str:
@@ -133,6 +138,10 @@ class Task:
         return features
 
     def collator(self, tokenizer, pad_to_multiple_of=None, pad_to_length=None):
+        """A function from a list of feature rows to a batch of tensors, padded to `pad_to_length` (--pad_to_max_length)
+        if given, else to the batch's longest row (rounded up to `pad_to_multiple_of`). Rows being evaluated carry
+        their number, `example_index`, which the batch must keep as a tensor (evaluation puts results back in order
+        with it)."""
         from src.loaders import padding_collator
 
         return padding_collator(tokenizer, pad_to_multiple_of, pad_to_length)
@@ -145,6 +154,16 @@ class Task:
         """How many units `step` will sum the batch's loss over, known before the forward pass so that the loop can
         normalise every batch of an optimizer step by the step's units on all ranks: one per example here."""
         return torch.tensor(len(batch["labels"]), device=batch["labels"].device)
+
+    def counts(self, batch: dict) -> tuple[int, torch.Tensor | int, int]:
+        """(examples, real tokens, padded tokens) of a batch, for the logged samples/s and tokens/s: from a tokenizer's
+        `input_ids` and `attention_mask` here. A batch without them counts its examples only (its tokens as 0), unless
+        the task says otherwise here."""
+        ids = batch.get("input_ids")
+        if ids is None:
+            return len(next(value for value in batch.values() if torch.is_tensor(value))), 0, 0
+        real = batch["attention_mask"].sum() if "attention_mask" in batch else ids.numel()
+        return ids.shape[0], real, ids.numel()
 
     # --- evaluation ---
     def metrics(self, columns: dict) -> dict:
