@@ -21,7 +21,7 @@ from pathlib import Path
 from accelerate.logging import get_logger
 from datasets import Dataset
 
-from src.args import Flags, build_eval_parser, parse_args
+from src.args import Flags, build_eval_parser, parse_args, recorded_task
 from src.checkpoint import RESULTS_FILE, STATE_FILE, check_writable
 from src.data import check_column_flags, load_file, load_hub_dataset, pick_split
 from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli
@@ -43,7 +43,7 @@ logger = get_logger(__name__)
 
 
 def parse_eval_args(argv=None):
-    parser = build_eval_parser()
+    parser = build_eval_parser(recorded_task(argv))  # a task of one's own may have flags for evaluation
     args = parse_args(parser, argv)
     if not args.model_name_or_path:
         parser.error("--model_name_or_path is required: a train.py output folder")

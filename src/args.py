@@ -18,6 +18,7 @@ import yaml
 
 from src.errors import UserError
 from src.glue import GLUE_TASKS
+from src.record import read_record
 from src.tasks import TASKS, task_class
 
 SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
@@ -565,7 +566,8 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     return parser
 
 
-def build_eval_parser() -> ArgumentParser:
+def build_eval_parser(task=None) -> ArgumentParser:
+    """evaluate.py's flags, with those of `task` (the evaluated run's task class, if known) for evaluation."""
     parser = ArgumentParser(
         prog="evaluate.py",
         description="Evaluate a fine-tuned model on any number of processes; writes metrics and predictions.",
@@ -608,6 +610,8 @@ def build_eval_parser() -> ArgumentParser:
     generation.add_argument(
         "--generation_num_beams", type=_positive_int, default=1, help="Beam search width; 1: greedy decoding."
     )
+    if task is not None:
+        task.add_evaluation_arguments(parser.add_argument_group(f"the model's task ({task.name})"))
     return parser
 
 
@@ -777,6 +781,23 @@ def _task_spec(words: list[str]) -> str:
     if known.task is None and known.config is not None:
         return str(_read_config(pre, known.config).get("task") or "auto")
     return known.task or "auto"
+
+
+def recorded_task(argv: list[str] | None = None):
+    """The task class that the run of evaluate.py's --model_name_or_path recorded (its args.json); None for a model
+    from elsewhere, or for a task that does not import here (evaluate.py says so once the flags are read)."""
+    pre = ArgumentParser(prog="evaluate.py", add_help=False)
+    pre.add_argument("--model_name_or_path", type=local_or_hub)
+    pre.add_argument("--config", type=_path)
+    known, _ = pre.parse_known_args(_command_line(argv))
+    model = known.model_name_or_path
+    if model is None and known.config is not None:
+        model = _read_config(pre, known.config).get("model_name_or_path")
+    spec = read_record(local_or_hub(str(model))).get("task") if model else None
+    try:
+        return task_class(spec) if spec else None
+    except UserError:
+        return None
 
 
 def _packaged_model(parser) -> str:

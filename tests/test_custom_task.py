@@ -191,6 +191,35 @@ def test_a_step_without_each_examples_loss_is_one_line_at_the_first_evaluation(t
         run_in_process("train", argv)
 
 
+class WithEvaluationFlag(BagOfWordsClassification):
+    """The example task with a flag of its own for evaluate.py, which its from_record reads (and notes here)."""
+
+    seen = []
+
+    @staticmethod
+    def add_evaluation_arguments(parser):
+        parser.add_argument("--confidence", type=float, default=0.5, help="A setting to try at evaluation.")
+
+    @classmethod
+    def from_record(cls, record, args, model_dir, column_names):
+        cls.seen.append(args.confidence)
+        return super().from_record(record, args, model_dir, column_names)
+
+
+def test_a_tasks_own_evaluation_flags_reach_it_in_evaluate_py(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "out"
+    run_in_process("train", train_args(tiny_model, *tiny_data, out, "--task", f"{__name__}:WithEvaluationFlag",
+                                       "--max_train_steps", "1"))  # fmt: skip
+    config = tmp_path / "eval.yaml"  # the model named in a --config file, as on the command line
+    config.write_text(f"model_name_or_path: {out}\n")
+    run_in_process("evaluate", ["--config", str(config), "--validation_file", str(tiny_data[1]), "--confidence",
+                                "0.9", "--output_dir", str(tmp_path / "eval")])  # fmt: skip
+    assert WithEvaluationFlag.seen == [0.9]
+    with pytest.raises(SystemExit):  # a model of another task: no such flag
+        load_script("evaluate").parse_eval_args(["--model_name_or_path", str(tiny_model), "--validation_file",
+                                                 str(tiny_data[1]), "--confidence", "0.9"])  # fmt: skip
+
+
 def test_a_subclass_of_a_listed_task_is_recorded_by_its_import_path():
     """The listed name would make evaluate.py and a resume rebuild the base class, without the subclass's loss."""
     subclass = SmoothedClassification.__new__(SmoothedClassification)

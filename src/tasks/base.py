@@ -56,6 +56,11 @@ class Task:
         """The task's own flags, on train.py's parser."""
 
     @staticmethod
+    def add_evaluation_arguments(parser):
+        """The task's own flags on evaluate.py's parser, for a model its run trained (a threshold to try, say);
+        `from_record` reads them from its `args`."""
+
+    @staticmethod
     def recognises(train, label_column: str | None = None) -> str | None:
         """For --task auto: why the training rows are this task's data (logged), or None if they are not;
         `label_column`: the one --label_column names, if given."""
