@@ -78,7 +78,7 @@ class BagOfWordsClassification(SequenceClassification):
             f"# or: python evaluate.py --model_name_or_path {where} --validation_file your.csv",
             f'model = BagOfWordsClassification().load_model("{where}", None, None, "no")',
         ]
-        return card | {"pipeline_tag": None, "usage": usage}
+        return card | {"pipeline_tag": None, "usage": usage, "library_name": None}  # not a Transformers model
 
 
 def _positive_int(text: str) -> int:

@@ -24,7 +24,8 @@ def write_model_card(output_dir: Path, settings: dict, results: dict, task):
     where = settings.get("hub_model_id") if settings.get("push_to_hub") else str(output_dir)
     card = task.model_card(where, base_name, adapter)
 
-    metadata = ["---", f"library_name: {'peft' if adapter else 'transformers'}"]
+    library = card.get("library_name", "peft" if adapter else "transformers")  # None: a model of the task's own
+    metadata = ["---", *([f"library_name: {library}"] if library else [])]
     metadata += [f"pipeline_tag: {card['pipeline_tag']}"] if card["pipeline_tag"] else []
     if base:
         metadata.append(f"base_model: {base}")

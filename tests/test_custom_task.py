@@ -57,6 +57,8 @@ def test_a_task_of_ones_own_trains_on_two_ranks_and_resumes_exactly(custom_runs)
     assert losses[0] > 0 and len([s for s in steps if "loss" in s]) >= 1
     record = json.loads((custom_runs["whole"] / "args.json").read_text())
     assert record["task"] == TASK and record["embedding_dim"] == 16  # its own flag, in the run record
+    card = (custom_runs["whole"] / "README.md").read_text()
+    assert "library_name" not in card and "from examples.custom_task import" in card, "the Hub offers no transformers"
 
 
 # The example task with a layer that its forward never calls: its parameters get no gradient in any step.

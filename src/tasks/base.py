@@ -194,7 +194,9 @@ class Task:
 
     # --- the model card ---
     def model_card(self, where: str, base_name: str, adapter: bool) -> dict:
-        """{'kind': what the model does, 'pipeline_tag', 'labels': names or [], 'usage': lines of Python}."""
+        """{'kind': what the model does, 'pipeline_tag', 'labels': names or [], 'usage': lines of Python}, and
+        'library_name': None for a model that is not a Transformers (or peft) one, which the Hub would offer to load
+        with transformers."""
         return {"kind": self.describe(), "pipeline_tag": None, "labels": [], "usage": []}
 
     def adapter_usage(self, where: str, base_name: str) -> list[str]:
