@@ -43,7 +43,9 @@ logger = get_logger(__name__)
 
 
 def parse_eval_args(argv=None):
-    parser = build_eval_parser(recorded_task(argv))  # a task of one's own may have flags for evaluation
+    task, parser_hint = recorded_task(argv)
+    parser = build_eval_parser(task)  # a task of one's own may have flags for evaluation
+    parser.unloaded_task = parser_hint
     args = parse_args(parser, argv)
     if not args.model_name_or_path:
         parser.error("--model_name_or_path is required: a train.py output folder")

@@ -393,10 +393,11 @@ def train_step(run: Run, batches: list[dict]):
     units = accelerator.reduce(sum(task.units(batch) for batch in batches), reduction="sum").clamp(min=1)
     scale = accelerator.num_processes * accelerator.gradient_accumulation_steps / units
     for i, batch in enumerate(batches):
+        counts = task.counts(batch)  # before the step, which may take keys out of the batch
         with accelerator.no_sync(model) if i < len(batches) - 1 else nullcontext():
             step = task.step(model, batch)
             accelerator.backward(step.loss * scale)
-        run.window.add(step, task.counts(batch))
+        run.window.add(step, counts)
         run.epoch_loss += step.loss.detach().float() / units  # summed over ranks: the step's loss
     if run.args.max_grad_norm > 0:
         accelerator.clip_grad_norm_(model.parameters(), run.args.max_grad_norm)

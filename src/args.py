@@ -83,6 +83,7 @@ class ArgumentParser(argparse.ArgumentParser):
         # No prefix matching: `--task` must never be read as `--task_name`, nor a typo as some longer flag.
         super().__init__(allow_abbrev=False, formatter_class=_HelpFormatter, **kwargs)
         self.other_tasks_flags = {}  # flag: the listed task it belongs to, where the chosen task lacks it
+        self.unloaded_task = None  # evaluate.py: why the model's task, which may add flags, did not load
 
     def error(self, message):
         if message.startswith("unrecognized arguments: "):  # a flag of Trainer's or of another script, a typo
@@ -99,6 +100,8 @@ class ArgumentParser(argparse.ArgumentParser):
                     hints.append(f"{flag} -> {hint}")
             message += f"; did you mean {', '.join(hints)}?" if hints else ""
             message += f"; {', '.join(owners)}, not of this one: drop it, or choose that task" if owners else ""
+            if self.unloaded_task:
+                message += f"; the model's task, which may add flags, did not load ({self.unloaded_task})"
         # argparse's default prints the whole usage block first; with 40 flags that buries the message.
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
@@ -783,9 +786,10 @@ def _task_spec(words: list[str]) -> str:
     return known.task or "auto"
 
 
-def recorded_task(argv: list[str] | None = None):
-    """The task class that the run of evaluate.py's --model_name_or_path recorded (its args.json); None for a model
-    from elsewhere, or for a task that does not import here (evaluate.py says so once the flags are read)."""
+def recorded_task(argv: list[str] | None = None) -> tuple[type | None, str | None]:
+    """The task class that the run of evaluate.py's --model_name_or_path recorded (its args.json), or None for a model
+    from elsewhere; and why that task did not load here, if it did not (evaluate.py says so once the flags are read,
+    or as it refuses a flag of that task's)."""
     pre = ArgumentParser(prog="evaluate.py", add_help=False)
     pre.add_argument("--model_name_or_path", type=local_or_hub)
     pre.add_argument("--config", type=_path)
@@ -795,9 +799,9 @@ def recorded_task(argv: list[str] | None = None):
         model = _read_config(pre, known.config).get("model_name_or_path")
     spec = read_record(local_or_hub(str(model))).get("task") if model else None
     try:
-        return task_class(spec) if spec else None
-    except UserError:
-        return None
+        return (task_class(spec) if spec else None), None
+    except Exception as err:  # a module that fails to import, however: --help still works
+        return None, str(err) or type(err).__name__
 
 
 def _packaged_model(parser) -> str:

@@ -21,7 +21,8 @@ class ThroughputWindow:
         """`step`: the batch's `Step` (its summed loss and units); `counts`: its examples, real and padded tokens."""
         examples, tokens, padded_tokens = counts
         loss = step.loss.detach().float()
-        self.sums += torch.stack([loss, step.units.float(), torch.as_tensor(tokens, device=loss.device).float()])
+        self.sums[:2] += torch.stack([loss, step.units.float()])
+        self.sums[2] += tokens  # a tensor on the device, or a number: neither makes the host wait
         self.nonfinite += ~torch.isfinite(loss)
         self.samples += examples
         self.padded_tokens += padded_tokens

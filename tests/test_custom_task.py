@@ -208,18 +208,27 @@ class WithEvaluationFlag(BagOfWordsClassification):
         return super().from_record(record, args, model_dir, column_names)
 
 
-def test_a_tasks_own_evaluation_flags_reach_it_in_evaluate_py(tiny_model, tiny_data, tmp_path):
+def test_a_tasks_own_evaluation_flags_reach_it_in_evaluate_py(tiny_model, tiny_data, tmp_path, capsys):
+    WithEvaluationFlag.seen.clear()
     out = tmp_path / "out"
     run_in_process("train", train_args(tiny_model, *tiny_data, out, "--task", f"{__name__}:WithEvaluationFlag",
                                        "--max_train_steps", "1"))  # fmt: skip
     config = tmp_path / "eval.yaml"  # the model named in a --config file, as on the command line
     config.write_text(f"model_name_or_path: {out}\n")
-    run_in_process("evaluate", ["--config", str(config), "--validation_file", str(tiny_data[1]), "--confidence",
-                                "0.9", "--output_dir", str(tmp_path / "eval")])  # fmt: skip
+    evaluate = ["--validation_file", str(tiny_data[1]), "--confidence", "0.9", "--output_dir", str(tmp_path / "eval")]
+    run_in_process("evaluate", ["--config", str(config), *evaluate])
     assert WithEvaluationFlag.seen == [0.9]
-    with pytest.raises(SystemExit):  # a model of another task: no such flag
-        load_script("evaluate").parse_eval_args(["--model_name_or_path", str(tiny_model), "--validation_file",
-                                                 str(tiny_data[1]), "--confidence", "0.9"])  # fmt: skip
+
+    def refused(model) -> str:
+        with pytest.raises(SystemExit):
+            load_script("evaluate").parse_eval_args(["--model_name_or_path", str(model), *evaluate])
+        return capsys.readouterr().err
+
+    assert "unrecognized arguments: --confidence 0.9" in refused(tiny_model)  # a model of another task
+    record = json.loads((out / "args.json").read_text())
+    (out / "args.json").write_text(json.dumps(record | {"task": "not_installed:Task"}))
+    hint = "the model's task, which may add flags, did not load (--task not_installed:Task: cannot import"
+    assert hint in refused(out)
 
 
 def test_a_subclass_of_a_listed_task_is_recorded_by_its_import_path():

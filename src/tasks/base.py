@@ -163,10 +163,11 @@ class Task:
     def counts(self, batch: dict) -> tuple[int, torch.Tensor | int, int]:
         """(examples, real tokens, padded tokens) of a batch, for the logged samples/s and tokens/s: from a tokenizer's
         `input_ids` and `attention_mask` here. A batch without them counts its examples only (its tokens as 0), unless
-        the task says otherwise here."""
+        the task says otherwise here. Called before `step`, which may take keys out of the batch."""
         ids = batch.get("input_ids")
         if ids is None:
-            return len(next(value for value in batch.values() if torch.is_tensor(value))), 0, 0
+            rows = next((value for value in batch.values() if torch.is_tensor(value) and value.dim()), ())
+            return len(rows), 0, 0
         real = batch["attention_mask"].sum() if "attention_mask" in batch else ids.numel()
         return ids.shape[0], real, ids.numel()
 
