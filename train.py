@@ -27,12 +27,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import skip_first_batches
 from accelerate.logging import get_logger
-from accelerate.utils import (
-    DataLoaderConfiguration,
-    DistributedDataParallelKwargs,
-    ProjectConfiguration,
-    set_seed,
-)
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from src.args import parse_train_args, refuse_other_tasks_flags
@@ -80,11 +75,10 @@ def build_accelerator(args, resume_path) -> tuple[Accelerator, str, int]:
         torch.set_float32_matmul_precision("high")  # TF32: what stays fp32 runs on tensor cores too
     # A resumed run keeps its precision, also on a machine that would choose another: resume stays exact.
     saved = read_checkpoint_args(resume_path).get("mixed_precision") if resume_path else None
-    unused = args.ddp_find_unused_parameters  # None: make_accelerator decides from the number of processes
     return make_accelerator(
         args,
         saved,
-        kwargs_handlers=[] if unused is None else [DistributedDataParallelKwargs(find_unused_parameters=unused)],
+        find_unused_parameters=args.ddp_find_unused_parameters,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         step_scheduler_with_optimizer=False,  # the scheduler counts optimizer updates; see train_step
         # Batches are copied to the GPU without making the host wait for the step in flight.

@@ -89,9 +89,10 @@ def refuse_fsdp_without_gpus():
         )
 
 
-def make_accelerator(args, saved_precision: str | None, **options):
+def make_accelerator(args, saved_precision: str | None, find_unused_parameters: bool | None = None, **options):
     """The Accelerator (with `options`), why it has its precision (--mixed_precision, else `saved_precision`: the
-    run's, else as src/precision.py chooses), and the CPU threads each process uses."""
+    run's, else as src/precision.py chooses), and the CPU threads each process uses. `find_unused_parameters`: DDP's
+    (--ddp_find_unused_parameters), None for on with 3 or more processes."""
     from src.precision import choose_precision
 
     on_cpu = not torch.accelerator.is_available()
@@ -110,9 +111,11 @@ def make_accelerator(args, saved_precision: str | None, **options):
     # DDP reorders its gradient buckets after a process's first step, so the first step after a resume would sum 3 or
     # more ranks' gradients in another order than the uninterrupted run (2 sum alike in any order). Looking for unused
     # parameters keeps the order, and resume exact, for a walk of the autograd graph per step (and torch's warning).
+    if find_unused_parameters is None:
+        find_unused_parameters = state.num_processes > 2
     handlers = list(options.pop("kwargs_handlers", []))
     if not any(isinstance(handler, DistributedDataParallelKwargs) for handler in handlers):  # a caller's own wins
-        handlers.append(DistributedDataParallelKwargs(find_unused_parameters=state.num_processes > 2))
+        handlers.append(DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters))
     with one_precision_per_process(precision):
         accelerator = Accelerator(cpu=on_cpu, mixed_precision=precision, kwargs_handlers=handlers, **options)
         return accelerator, reason, threads
