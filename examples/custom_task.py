@@ -78,7 +78,8 @@ class BagOfWordsClassification(SequenceClassification):
             f"# or: python evaluate.py --model_name_or_path {where} --validation_file your.csv",
             f'model = BagOfWordsClassification().load_model("{where}", None, None, "no")',
         ]
-        return card | {"pipeline_tag": None, "usage": usage, "library_name": None}  # not a Transformers model
+        # Not a Transformers model, and built with random weights: only the tokenizer is --model_name_or_path's.
+        return card | {"pipeline_tag": None, "usage": usage, "library_name": None, "new_model": True}
 
 
 def _positive_int(text: str) -> int:

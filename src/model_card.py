@@ -23,6 +23,8 @@ def write_model_card(output_dir: Path, settings: dict, results: dict, task):
     adapter = (output_dir / "adapter_config.json").is_file()  # a LoRA/PEFT run saved its adapter only
     where = settings.get("hub_model_id") if settings.get("push_to_hub") else str(output_dir)
     card = task.model_card(where, base_name, adapter)
+    if card.get("new_model"):  # the task's own model, built with random weights: base_name gave its tokenizer only
+        base = None
 
     library = card.get("library_name", "peft" if adapter else "transformers")  # None: a model of the task's own
     metadata = ["---", *([f"library_name: {library}"] if library else [])]
@@ -36,7 +38,8 @@ def write_model_card(output_dir: Path, settings: dict, results: dict, task):
     lines = [
         f"# {settings.get('hub_model_id') if settings.get('push_to_hub') else output_dir.name}",
         "",
-        f"{_origin(settings, base_name)} on {data} for {card['kind']}, with an Accelerate training script (train.py).",
+        f"{_origin(settings, base_name, card.get('new_model'))} on {data} for {card['kind']}, with an Accelerate "
+        "training script (train.py).",
         "",
     ]
     if card["labels"]:
@@ -67,7 +70,9 @@ def _table(title: str, header: tuple[str, str], rows, intro: str | None = None) 
             *(f"| {a} | {b} |" for a, b in rows), ""]  # fmt: skip
 
 
-def _origin(settings: dict, base_name: str | None) -> str:
+def _origin(settings: dict, base_name: str | None, new_model: bool) -> str:
+    if new_model:
+        return f"A new model with random weights (the tokenizer of `{base_name}`), trained"
     if base_name:
         return f"Fine-tuned from `{base_name}`"
     new = settings.get("config_name") or settings.get("model_type")

@@ -59,6 +59,9 @@ def test_a_task_of_ones_own_trains_on_two_ranks_and_resumes_exactly(custom_runs)
     assert record["task"] == TASK and record["embedding_dim"] == 16  # its own flag, in the run record
     card = (custom_runs["whole"] / "README.md").read_text()
     assert "library_name" not in card and "from examples.custom_task import" in card, "the Hub offers no transformers"
+    # Its weights are new: the packaged MiniLM gave the tokenizer only, so the card neither names it as the base model
+    # nor says the model was fine-tuned from it.
+    assert "base_model:" not in card and "Fine-tuned" not in card and "A new model with random weights" in card
 
 
 # The example task with a layer that its forward never calls: its parameters get no gradient in any step.

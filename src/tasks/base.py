@@ -197,7 +197,8 @@ class Task:
     def model_card(self, where: str, base_name: str, adapter: bool) -> dict:
         """{'kind': what the model does, 'pipeline_tag', 'labels': names or [], 'usage': lines of Python}, and
         'library_name': None for a model that is not a Transformers (or peft) one, which the Hub would offer to load
-        with transformers."""
+        with transformers; 'new_model': True for a model built with random weights, of which --model_name_or_path
+        gave only the tokenizer (the card then says so, not "fine-tuned from" it)."""
         return {"kind": self.describe(), "pipeline_tag": None, "labels": [], "usage": []}
 
     def adapter_usage(self, where: str, base_name: str) -> list[str]:
