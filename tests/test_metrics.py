@@ -1,12 +1,15 @@
 """Metrics come from the shipped `evaluate` modules and agree with scikit-learn and SciPy."""
 
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import load_script
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import f1_score, matthews_corrcoef
 
+from src.metrics import load_metric
 from src.plan import best_metric
 from src.tasks.sequence_classification import REGRESSION, SINGLE_LABEL, SequenceClassification
 
@@ -31,6 +34,16 @@ def test_classification_metrics():
     assert binary["matthews_correlation"] == pytest.approx(matthews_corrcoef(references[:5], predictions[:5]))
     multi = compute_metrics(predictions, references, THREE_CLASSES)
     assert multi["f1"] == pytest.approx(f1_score(references, predictions, average="macro"))
+
+
+def test_a_notebooks_import_evaluate_keeps_its_main_after_the_metric_modules_load(monkeypatch):
+    """`import evaluate` in a notebook at the repo root is the project's script; the metric modules need the library
+    of that name while they load, and the script is put back after, so that a second evaluate.main() works."""
+    script = load_script("evaluate")
+    monkeypatch.setitem(sys.modules, "evaluate", script)
+    load_metric.cache_clear()  # loaded anew, as by a notebook's first run
+    assert compute_metrics([0, 1, 1], [0, 1, 0], BINARY)["accuracy"] == pytest.approx(2 / 3)
+    assert sys.modules["evaluate"] is script and hasattr(script, "main")
 
 
 def test_regression_metrics():
