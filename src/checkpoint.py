@@ -48,14 +48,23 @@ def check_writable(folder: Path, flag: str = "--output_dir"):
                         f"another {flag}")  # fmt: skip
 
 
-def check_output_dir(output_dir: Path, overwrite: bool, resume: bool):
-    """Refuse to train over a finished run or its checkpoints unless asked to, or where nothing can be written."""
+def check_output_dir(output_dir: Path, overwrite: bool, resume_from: Path | None):
+    """Refuse to train over a finished run or its checkpoints unless asked to (--overwrite_output_dir, or a resume of
+    that run from a checkpoint in it), or where nothing can be written."""
     check_writable(output_dir)
-    if resume or overwrite or not Path(output_dir).is_dir():
+    if overwrite or not Path(output_dir).is_dir():
+        return
+    if resume_from is not None and Path(resume_from).resolve().parent == Path(output_dir).resolve():
         return
     earlier = [p.name for p in complete_checkpoints(output_dir)] + (
         [RESULTS_FILE] if (Path(output_dir) / RESULTS_FILE).exists() else []
     )
+    if earlier and resume_from is not None:  # another folder's checkpoint would continue over this run's files
+        raise UserError(
+            f"--output_dir {output_dir} already holds a run ({', '.join(earlier[-3:])}), and --resume_from_checkpoint "
+            f"{resume_from} is another folder's checkpoint: resume it into its own folder ({Path(resume_from).parent}) "
+            "or an empty one"
+        )
     if earlier:
         raise UserError(
             f"--output_dir {output_dir} already holds a run ({', '.join(earlier[-3:])}); pass "
@@ -250,6 +259,11 @@ def load_checkpoint(accelerator, path: Path, record: dict, task_settings=()) -> 
         raise UserError(
             f"checkpoint {path} was made with other settings ({'; '.join(changed)}): resume with the same ones "
             "so the run continues exactly, or start a new run"
+        )
+    if position[0] > record.get("max_train_steps", position[0]):  # it would end at once, its weights the final ones
+        raise UserError(
+            f"checkpoint {path} is at step {position[0]}, past this run's {record['max_train_steps']} optimizer steps "
+            "(--max_train_steps, --num_train_epochs): resume with at least as many, or start a new run"
         )
     if position[3] != accelerator.num_processes:
         raise UserError(

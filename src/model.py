@@ -386,6 +386,19 @@ def _without_kv_cache(model):
     return model
 
 
+# What saving writes, for every kind of model (whole, sharded, LoRA adapter): an earlier run's, left beside this run's
+# in an overwritten --output_dir, would be loaded with it or instead of it. A stale adapter_config.json makes a whole
+# model's folder read as an adapter; a stale config.json makes an adapter-only folder read as a whole model.
+SAVED_MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json", "adapter_model.*",
+                     "model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin*")  # fmt: skip
+
+
+def remove_saved_model(folder: Path):
+    for pattern in SAVED_MODEL_FILES:
+        for path in Path(folder).glob(pattern):
+            path.unlink()
+
+
 def save_model(
     accelerator, model, output_dir: Path, auto_class, merge_lora=False, trust_remote_code=False, new_head=True
 ):

@@ -66,12 +66,19 @@ def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkey
         with pytest.raises(RuntimeError, match="tracker refused"):
             run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--overwrite_output_dir"))
     assert before == run_files(out), "nothing touched"
+    # The old run's model files go too: a LoRA run's adapter_config.json left beside a whole model would make
+    # evaluate.py, from_pretrained and the card read the folder as that adapter.
+    (out / "adapter_config.json").write_text("{}")
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--overwrite_output_dir"))
     assert not list(out.glob("checkpoint-*")), "the old run's checkpoints went with it"
-    # Overwritten by a run that stops before its end: the old run's results (its mark of being done) go too.
+    assert not (out / "adapter_config.json").exists()
+    assert "library_name: transformers" in (out / "README.md").read_text()
+    # Overwritten by a run that stops before its end: the old run's results (its mark of being done) go too, and its
+    # model, which the stopped run has not replaced.
     with pytest.raises(SystemExit):
         run_main(*train_args(tiny_model, *data, out, "--overwrite_output_dir", "--max_time", "1e-9"))
     assert not (out / "all_results.json").exists() and not (out / "README.md").exists()
+    assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
 
 
 def test_broken_checkpoints_get_a_clear_error(tiny_model, data, tmp_path):
@@ -142,6 +149,15 @@ def test_resuming_a_finished_run_only_evaluates(tiny_model, data, tmp_path):
         *train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--resume_from_checkpoint", "latest")
     )
     assert again["global_step"] == first["global_step"] and again["eval_accuracy"] == first["eval_accuracy"]
+    # Resumed for fewer steps than its checkpoint's, it would end at once with the checkpoint as its final model.
+    shorter = ["--max_train_steps", str(first["global_step"] - 1), "--resume_from_checkpoint", "latest"]
+    with pytest.raises(train.UserError, match=f"at step {first['global_step']}, past this run's"):
+        run_main(*train_args(tiny_model, *data, out, *shorter))
+    # Resumed for longer and stopped, the run is no longer finished: evaluate.py refuses the folder (no results).
+    with pytest.raises(SystemExit):
+        run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "2", "--resume_from_checkpoint", "latest",
+                             "--max_time", "1e-9"))  # fmt: skip
+    assert not (out / "all_results.json").exists() and not (out / "README.md").exists()
 
 
 def test_patience_that_runs_out_on_a_timed_out_step_ends_the_run_as_without_the_stop(tiny_model, data, tmp_path):
@@ -179,6 +195,10 @@ def test_the_best_model_is_found_beside_the_checkpoint_resumed_from(tiny_model, 
     whole = run_main(*train_args(tiny_model, *data, tmp_path / "whole", *flags))
     assert resumed["eval_loss"] == whole["eval_loss"]
     elsewhere = [*flags, "--resume_from_checkpoint", str(tmp_path / "copy" / "checkpoint-1")]
+    before = run_files(tmp_path / "whole")
+    with pytest.raises(train.UserError, match="already holds a run .* is another folder's checkpoint"):
+        run_main(*train_args(tiny_model, *data, tmp_path / "whole", *elsewhere))  # a finished run, not overwritten
+    assert run_files(tmp_path / "whole") == before
     assert run_main(*train_args(tiny_model, *data, tmp_path / "other", *elsewhere))["eval_loss"] == whole["eval_loss"]
     # A best checkpoint still where it was recorded (another run's folder, after a chain of resumes) is used there;
     # one neither there nor beside the checkpoint resumed from is found out before training, not after it.
