@@ -30,7 +30,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from src.args import parse_train_args, refuse_other_tasks_flags
+from src.args import parse_train_args, refuse_other_tasks_flags, task_flags
 from src.batch_size import fit_batch_sizes
 from src.checkpoint import (
     RESULTS_FILE,
@@ -280,7 +280,7 @@ def start_or_resume(args, accelerator, task, resume_path, record: dict, batches_
     """The loop's position (restored from a checkpoint, or a fresh start), with the run's files set up."""
     state = TrainState(num_processes=accelerator.num_processes)
     if resume_path:
-        state = load_checkpoint(accelerator, resume_path, record, task_settings=task.record())
+        state = load_checkpoint(accelerator, resume_path, record, task_flags(type(task)), task.record())
         if state.best_checkpoint and not Path(state.best_checkpoint).is_dir():  # its folder moved (a copied run)?
             beside = resume_path.parent / Path(state.best_checkpoint).name
             if args.load_best_model_at_end and not beside.is_dir():

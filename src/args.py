@@ -768,6 +768,14 @@ def refuse_other_tasks_flags(args, chosen) -> None:
             )
 
 
+def task_flags(cls) -> list[str]:
+    """The flags (by their names in args.json) that task class `cls` adds to train.py's, but for those that name a file
+    or folder: a copy elsewhere serves as well, and the task records what it reads from them (a template's text)."""
+    common = {action.dest for action in build_train_parser([])._actions}
+    return [action.dest for action in build_train_parser([cls])._actions
+            if action.dest not in common and action.type not in (_path, local_or_hub)]  # fmt: skip
+
+
 def _other_tasks_actions(chosen):
     """(listed task, flag) for each flag of a listed task that the `chosen` task class does not have."""
     shared = {action.dest for action in build_train_parser([chosen])._actions}

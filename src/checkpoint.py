@@ -186,8 +186,10 @@ def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
 
 
 # What a resumed run must keep to continue exactly: what decides the batches, the adapter and the optimizer's settings;
-# with the task's own settings (its record: columns, labels, which tokens are learnt), which load_checkpoint adds.
+# with the task and its own flags and settings (its record: columns, labels, which tokens are learnt), which
+# load_checkpoint adds.
 SAME_ON_RESUME = (
+    "task",
     "per_device_train_batch_size",
     "gradient_accumulation_steps",
     "seed",
@@ -214,6 +216,11 @@ SAME_ON_RESUME = (
     "lr_scheduler_type",
     "warmup_ratio",
     "num_warmup_steps",
+    # What the best model so far was chosen by: another metric's value would be compared with the saved best, and
+    # without a checkpoint of it (--load_best_model_at_end added on resume) that best could not be loaded at the end.
+    "metric_for_best_model",
+    "greater_is_better",
+    "load_best_model_at_end",
 )
 
 
@@ -239,9 +246,10 @@ def read_checkpoint_args(path: Path) -> dict:
         return {}
 
 
-def load_checkpoint(accelerator, path: Path, record: dict, task_settings=()) -> TrainState:
+def load_checkpoint(accelerator, path: Path, record: dict, task_flags=(), task_settings=()) -> TrainState:
     """Restore everything `save_checkpoint` saved; returns the loop's position. `record`: this run's (args.json);
-    `task_settings`: its keys that the task wrote (`Task.record()`), compared as SAME_ON_RESUME is."""
+    `task_flags`: the task's own flags, compared as SAME_ON_RESUME is; `task_settings`: the keys the task wrote
+    (`Task.record()`), compared too, and named where no flag's change explains theirs."""
     try:
         saved_state = json.loads((path / STATE_FILE).read_text())
         position = [saved_state[key] for key in ("global_step", "epoch", "batches_in_epoch", "num_processes")]
@@ -252,9 +260,11 @@ def load_checkpoint(accelerator, path: Path, record: dict, task_settings=()) -> 
     # Checkpoints of earlier versions name the training file by its path only, and whether validation rows were held
     # out of it by their flags.
     saved.setdefault("validation_held_out", bool(saved.get("train_file") and not saved.get("validation_file")))
-    compared = (*SAME_ON_RESUME, *task_settings, *(() if "train_file_sha256" in saved else ("train_file",)))
-    changed = [_change(key, saved[key], record.get(key)) for key in compared
+    flags = (*SAME_ON_RESUME, *task_flags, *(() if "train_file_sha256" in saved else ("train_file",)))
+    changed = [_change(key, saved[key], record.get(key)) for key in flags
                if key in saved and str(saved[key]) != str(record.get(key))]  # fmt: skip
+    changed = changed or [_change(key, saved[key], record.get(key)) for key in task_settings
+                          if key in saved and str(saved[key]) != str(record.get(key))]  # fmt: skip
     if changed:
         raise UserError(
             f"checkpoint {path} was made with other settings ({'; '.join(changed)}): resume with the same ones "

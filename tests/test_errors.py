@@ -158,6 +158,17 @@ def test_resume_with_other_batching_settings_is_refused(tmp_path, tiny_model, ti
     other_rate = train_args(tiny_model, *tiny_data, out, "--resume_from_checkpoint", "latest", "--learning_rate", "1")
     with pytest.raises(train.UserError, match=r"other settings \(--learning_rate 0.001 -> 1.0\)"):
         train.main(train.parse_train_args(other_rate))
+    # The best model so far was chosen by accuracy: its value is not a loss to compare with.
+    other_metric = [*changed[:-2], "--metric_for_best_model", "loss"]
+    with pytest.raises(train.UserError, match=r"other settings \(--metric_for_best_model accuracy -> loss; --greater"):
+        train.main(train.parse_train_args(other_metric))
+    # The task, and its own flags, named as flags (not the class weights the task records because of one).
+    other_task = [*changed[:-2], "--task", "examples.custom_task:BagOfWordsClassification"]
+    with pytest.raises(train.UserError, match=r"other settings \(--task sequence-classification -> examples\.custom"):
+        train.main(train.parse_train_args(other_task))
+    weighted = [*changed[:-2], "--class_weights", "balanced"]
+    with pytest.raises(train.UserError, match=r"other settings \(--class_weights none -> balanced\)"):
+        train.main(train.parse_train_args(weighted))
     # The training file by its contents: a copy elsewhere resumes (a job's scratch folder), with a validation file that
     # changed too (corrected, say); without the validation file its share of the training rows would be held out, so
     # that is refused, as is a changed training file.
