@@ -747,11 +747,11 @@ def parse_train_args(argv: list[str] | None = None) -> Flags:
     argv = _command_line(argv)
     chosen = _task_spec(argv)
     try:
-        classes = None if chosen in ("auto", *TASKS) else [task_class(chosen)]
+        classes = None if chosen == "auto" else [task_class(chosen)]
     except UserError as err:
         build_train_parser([]).error(str(err))
     parser = build_train_parser(classes)
-    if classes is not None:  # a task of one's own: the listed tasks' flags are not registered, and named in errors
+    if classes is not None:  # a named task: the other listed tasks' flags are not registered, and named in errors
         parser.other_tasks_flags = {option: cls.name for cls, action in _other_tasks_actions(classes[0])
                                     for option in action.option_strings}  # fmt: skip
     return Flags(vars(validate_train_args(parser, parse_args(parser, argv))))

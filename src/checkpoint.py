@@ -165,6 +165,11 @@ def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
     """The folder named by --resume_from_checkpoint (a path, or 'latest' in --output_dir), checked."""
     if spec == "latest":
         latest = newest_checkpoint(output_dir)
+        if latest is None and (Path(output_dir) / RESULTS_FILE).exists():
+            raise UserError(
+                f"--resume_from_checkpoint latest: {output_dir} holds a finished run that kept no checkpoint; to train "
+                f"its model further, start a new run with --model_name_or_path {output_dir} (and another --output_dir)"
+            )
         if latest is None:
             raise UserError(
                 f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir} yet; to start the run, "
@@ -203,6 +208,9 @@ SAME_ON_RESUME = (
     "validation_split_percentage",  # without a validation file, it decides which rows train
     "max_length",
     "tokenizer_name",
+    "model_type",  # a new model's definition: its config
+    "config_name",
+    "config_overrides",
     "keep_linebreaks",  # a .txt file's blocks
     "use_peft",  # the adapter's shape and scale: a resume with others continues another model or cannot load
     "lora_r",

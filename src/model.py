@@ -157,13 +157,17 @@ def _overridden(config, overrides: str, rebuild: bool):
     values, so that what the architecture derives from them follows, as `LlamaConfig(hidden_size=64,
     num_attention_heads=4)` gets head_dim 16 where changing the attributes would keep the default's 128. A
     --config_name file's other values stay as written."""
+    overrides = ",".join(pair.strip() for pair in overrides.split(","))  # "a=1, b=2", as the shell may pass it
     try:
         config.update_from_string(overrides)
     except ValueError as err:
         raise UserError(f"--config_overrides {overrides!r}: {err}; give name=value pairs separated by commas, e.g. "
                         "num_hidden_layers=2,hidden_size=128") from err  # fmt: skip
     if rebuild:
-        config = type(config)(**{key: getattr(config, key) for key in _override_keys(overrides)})
+        try:
+            config = type(config)(**{key: getattr(config, key) for key in _override_keys(overrides)})
+        except Exception as err:  # the config class's own checks (ValueError, huggingface_hub's validation errors)
+            raise UserError(f"--config_overrides {overrides!r}: {' '.join(str(err).split())[:300]}") from err
     _check_head_counts(config, overrides)
     return config
 

@@ -369,8 +369,14 @@ def test_a_new_model_from_a_config_trains_on_a_text_file_and_loads_with_from_pre
     small = "hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2"
     argv = train_args(tiny_decoders["llama"], text, text, tmp_path / "out", "--max_length", "16",
                       "--preprocessing_num_workers", "2")[2:]  # fmt: skip
-    argv += ["--model_type", "llama", "--config_overrides", small, "--tokenizer_name", str(tiny_decoders["llama"])]
+    argv += ["--model_type", "llama", "--config_overrides", small, "--tokenizer_name", str(tiny_decoders["llama"]),
+             "--checkpointing_steps", "epoch"]  # fmt: skip
     results = run_in_process("train", argv)
+    # The model's definition is kept on resume: its checkpoint's weights would load into another config.
+    resume = [*argv, "--resume_from_checkpoint", "latest"]
+    resume[resume.index(small)] = small + ",rms_norm_eps=0.5"
+    with pytest.raises(UserError, match=r"other settings \(--config_overrides hidden_size=32,.* -> .*rms_norm_eps"):
+        run_in_process("train", resume)
     assert results["perplexity"] == results["eval_perplexity"]  # top level too, as run_clm_no_trainer.py writes it
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     tokenizer = load_tokenizer(str(tiny_decoders["llama"]))
@@ -453,6 +459,10 @@ def test_a_new_models_config_and_tokenizer_errors_name_their_flags(tiny_decoders
     with pytest.raises(UserError, match="'n_embd=60,n_head=8': hidden_size 60 is not a multiple of num_attention_he"):
         new_config("gpt2", "n_embd=60,n_head=8")
     new_config("seed_oss", "num_hidden_layers=2")  # 4096 / 80 heads of its own head_dim: untouched, not refused
+    # What the config class checks itself (Llama's 4096 wide default, 5 heads) is one line too.
+    with pytest.raises(UserError, match=r"--config_overrides 'num_attention_heads=5': .*not a multiple"):
+        new_config("llama", "num_attention_heads=5")
+    assert new_config("llama", "hidden_size=64, num_hidden_layers=2").num_hidden_layers == 2  # a space after a comma
     config = new_config("llama", "hidden_size=64,num_attention_heads=4,num_key_value_heads=2")
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (64, 4, 2)
     # What the architecture derives follows, as in LlamaConfig(hidden_size=64, num_attention_heads=4): head_dim 16

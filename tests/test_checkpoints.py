@@ -87,6 +87,10 @@ def test_broken_checkpoints_get_a_clear_error(tiny_model, data, tmp_path):
         match="--resume_from_checkpoint latest: no complete checkpoint in .* yet; to start the run, drop --resume_from",
     ):
         run_main(*train_args(tiny_model, *data, tmp_path / "new", "--resume_from_checkpoint", "latest"))
+    finished = tmp_path / "finished"  # without checkpoints: the next step is a new run from its model
+    run_main(*train_args(tiny_model, *data, finished, "--max_train_steps", "1"))
+    with pytest.raises(train.UserError, match=f"finished run that kept no checkpoint.*--model_name_or_path {finished}"):
+        run_main(*train_args(tiny_model, *data, finished, "--resume_from_checkpoint", "latest"))
     out = tmp_path / "out"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "4"))
     args = train_args(tiny_model, *data, out, "--num_train_epochs", "1")

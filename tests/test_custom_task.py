@@ -259,6 +259,12 @@ def test_a_listed_tasks_flag_under_ones_own_task_says_whose_it_is(tiny_model, ti
     with pytest.raises(SystemExit):
         parse_train_args([*base, "--task", TASK, "--packing"])
     assert "--packing is a flag of --task causal-lm" in capsys.readouterr().err
+    # So under a listed task that was named: there, as under --task auto, it would be accepted and do nothing.
+    with pytest.raises(SystemExit):
+        parse_train_args([*base, "--task", "token-classification", "--packing", "--class_weights", "balanced"])
+    assert "--packing is a flag of --task causal-lm, --class_weights is a flag of --task sequence-classification" in (
+        capsys.readouterr().err
+    )
 
 
 def test_output_folders_of_earlier_versions_still_evaluate(trained_tiny_model, tiny_data, tmp_path):
