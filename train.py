@@ -351,8 +351,9 @@ def train_loop(run: Run) -> int | None:
                 break
             if signum or out_of_time:
                 why = run.stop_signals.describe(signum) if signum else f"--max_time {args.max_time} minutes reached"
-                logger.info(f"Stopped at step {state.global_step} ({why}). To continue, run the same command with "
-                            "--resume_from_checkpoint latest")  # fmt: skip
+                unless = "without --overwrite_output_dir, " if args.overwrite_output_dir else ""  # it would start anew
+                logger.info(f"Stopped at step {state.global_step} ({why}). To continue, run the same command "
+                            f"{unless}with --resume_from_checkpoint latest")  # fmt: skip
                 return 128 + signum if signum else 0
     return None
 

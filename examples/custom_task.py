@@ -72,11 +72,12 @@ class BagOfWordsClassification(SequenceClassification):
 
     def model_card(self, where: str, base_name: str, adapter: bool) -> dict:
         card = super().model_card(where, base_name, adapter)
+        cls = type(self)  # this class, or a copy or subclass of it elsewhere
         usage = [
-            "from examples.custom_task import BagOfWordsClassification",
+            f"from {cls.__module__} import {cls.__qualname__}",
             "",
             f"# or: python evaluate.py --model_name_or_path {where} --validation_file your.csv",
-            f'model = BagOfWordsClassification().load_model("{where}", None, None, "no")',
+            f'model = {cls.__qualname__}().load_model("{where}", None, None, "no")',
         ]
         # Not a Transformers model, and built with random weights: only the tokenizer is --model_name_or_path's.
         return card | {"pipeline_tag": None, "usage": usage, "library_name": None, "new_model": True}

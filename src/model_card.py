@@ -107,7 +107,7 @@ def _hyperparameters(settings: dict, results: dict) -> list[tuple[str, object]]:
     rows = [
         ("learning rate", settings.get("learning_rate")),
         ("optimizer steps", results.get("global_step")),
-        ("epochs", settings.get("num_train_epochs") if not settings.get("max_train_steps") else None),
+        ("epochs", settings.get("num_epochs")),  # the plan's: also with --max_train_steps (its last one partly)
         ("total train batch size", results.get("total_train_batch_size")),
         ("per-device batch size", settings.get("per_device_train_batch_size")),
         ("processes", results.get("num_processes")),

@@ -48,7 +48,7 @@ def test_rotation_keeps_the_newest_and_the_best(tiny_model, data, tmp_path, limi
     assert json.loads((out / "all_results.json").read_text())["eval_loss"] == best["eval_loss"]
 
 
-def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkeypatch):
+def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkeypatch, caplog):
     out = tmp_path / "out"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "epoch"))
     before = run_files(out)
@@ -75,8 +75,9 @@ def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkey
     assert "library_name: transformers" in (out / "README.md").read_text()
     # Overwritten by a run that stops before its end: the old run's results (its mark of being done) go too, and its
     # model, which the stopped run has not replaced.
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit), caplog.at_level("INFO"):
         run_main(*train_args(tiny_model, *data, out, "--overwrite_output_dir", "--max_time", "1e-9"))
+    assert "run the same command without --overwrite_output_dir, with --resume_from_checkpoint latest" in caplog.text
     assert not (out / "all_results.json").exists() and not (out / "README.md").exists()
     assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
 

@@ -234,6 +234,15 @@ def test_a_tasks_own_evaluation_flags_reach_it_in_evaluate_py(tiny_model, tiny_d
     assert hint in refused(out)
 
 
+class RenamedBagOfWords(BagOfWordsClassification):
+    """The example task, copied and renamed elsewhere."""
+
+
+def test_the_example_tasks_card_imports_the_class_that_was_trained():
+    usage = "\n".join(RenamedBagOfWords().model_card("out", "base", False)["usage"])
+    assert f"from {__name__} import RenamedBagOfWords\n" in usage and "model = RenamedBagOfWords().load_model" in usage
+
+
 def test_a_subclass_of_a_listed_task_is_recorded_by_its_import_path():
     """The listed name would make evaluate.py and a resume rebuild the base class, without the subclass's loss."""
     subclass = SmoothedClassification.__new__(SmoothedClassification)

@@ -272,3 +272,4 @@ def test_every_train_output_has_a_model_card(tmp_path, tiny_model, tiny_data):
     assert f"| accuracy | {results['eval_accuracy']:.4g} |" in card
     assert "`train.csv` (validation: `dev.csv`)" in card and f'model="{out}"' in card
     assert "base_model" not in card, "a local folder is no Hub id"
+    assert f"| optimizer steps | {results['global_step']} |" in card and "| epochs | 1 |" in card

@@ -333,6 +333,9 @@ def test_plain_tags_are_scored_per_word(tmp_path, tiny_model):
     record = json.loads((tmp_path / "out" / "args.json").read_text())
     assert record["metric_for_best_model"] == "accuracy" and record["label_column"] == "upos"
     assert record["max_length"] == 64  # the task's default of 128, capped by the tiny model's 64 positions
+    # The card's pipeline tags each sub-token: neighbouring words of one tag are not grouped as an entity would be.
+    printed = run_model_card_snippet(tmp_path / "out")
+    assert "'entity': " in printed and "entity_group" not in printed, printed
 
 
 def test_lora_trains_the_tagging_head_in_full_and_evaluate_py_reproduces_it(tiny_decoders, tmp_path):

@@ -307,9 +307,12 @@ class TokenClassification(Task):
 
     # --- the model card ---
     def model_card(self, where: str, base_name: str, adapter: bool) -> dict:
+        # Entities: words grouped by their B-/I- tags. Other tags (NOUN, VERB): the pipeline would group neighbouring
+        # words of one tag as if they were an entity, so it gives each sub-token's, as trained on the word's first.
+        strategy = '"first")' if self.iob else "\"none\")  # a word's tag: its first sub-token's"
         usage = self.adapter_usage(where, base_name) if adapter else [
             "from transformers import pipeline", "",
-            f'tagger = pipeline("token-classification", model="{where}", aggregation_strategy="first")',
+            f'tagger = pipeline("token-classification", model="{where}", aggregation_strategy={strategy}',
             'print(tagger("Your text here"))']  # fmt: skip
         return {"kind": self.describe(), "pipeline_tag": "token-classification", "labels": list(self.label_names),
                 "usage": usage}  # fmt: skip
