@@ -171,6 +171,16 @@ def test_rows_without_prompts_are_one_line_errors(trained_lm, tiny_model, tmp_pa
         run_in_process("evaluate", argv)
 
 
+def test_data_of_another_format_than_the_models_is_scored_with_a_warning(trained_lm, tmp_path, caplog):
+    """The run record says what the model learnt from; evaluate.py reads the data's own shape and says so."""
+    texts = write_rows(tmp_path / "texts.jsonl", [{"text": "the plot was good"}])
+    argv = ["--model_name_or_path", str(trained_lm["model"]), "--validation_file", str(texts), "--output_dir",
+            str(tmp_path / "out"), "--mixed_precision", "no"]  # fmt: skip
+    with caplog.at_level("WARNING"):
+        assert "eval_perplexity" in run_in_process("evaluate", argv)
+    assert "trained on prompt-completion rows and this data is text: it is scored as text" in caplog.text
+
+
 def test_a_prompt_longer_than_the_models_positions_keeps_its_end():
     """Prompt and answer must fit the model's positions (GPT-2's learnt ones fail past them with an index error)."""
     from accelerate import PartialState

@@ -134,6 +134,9 @@ class CausalLM(Task):
             fmt = PROMPT_COMPLETION  # prompts to answer, with no answers to score
         if fmt is None:
             raise UserError(f"the data has no columns a causal LM reads (its columns: {', '.join(column_names)})")
+        if record.get("format") not in (None, fmt):  # perplexity on other text may be what is wanted: said, not refused
+            logger.warning(f"the model was trained on {record['format']} rows and this data is {fmt}: it is scored as "
+                           f"{fmt}, and its loss is not comparable with the training run's")  # fmt: skip
         # Runs recorded before these options existed learnt completions only, and every token of a chat.
         return cls(fmt, record.get("completion_only_loss", True), record.get("assistant_only_loss", False),
                    record.get("packing", False), text_column=text_column or "text")  # fmt: skip
