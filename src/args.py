@@ -805,10 +805,10 @@ def recorded_task(argv: list[str] | None = None) -> tuple[type | None, str | Non
     model = known.model_name_or_path
     if model is None and known.config is not None:
         model = _read_config(pre, known.config).get("model_name_or_path")
-    spec = read_record(local_or_hub(str(model))).get("task") if model else None
     try:
+        spec = read_record(local_or_hub(str(model))).get("task") if model else None
         return (task_class(spec) if spec else None), None
-    except Exception as err:  # a module that fails to import, however: --help still works
+    except Exception as err:  # a module that fails to import, a damaged record, however: --help still works
         return None, str(err) or type(err).__name__
 
 

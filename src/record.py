@@ -10,6 +10,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from src.errors import UserError
+
 RECORD_FILE = "args.json"
 DEFAULT_TASK = "sequence-classification"  # what folders written before tasks were recorded hold
 
@@ -44,9 +46,16 @@ def task_spec(task) -> str:
 
 
 def read_record(folder) -> dict:
-    """A train.py output folder's record, or {} for other folders (a model from elsewhere) and unreadable files."""
+    """A train.py output folder's record, or {} for other folders (a model from elsewhere, a Hub name)."""
+    path = Path(folder) / RECORD_FILE
     try:
-        record = json.loads((Path(folder) / RECORD_FILE).read_text())
-    except (OSError, ValueError):
+        record = json.loads(path.read_text())
+    except OSError:  # none there
         return {}
-    return record if isinstance(record, dict) else {}
+    except ValueError as err:
+        record = err
+    if not isinstance(record, dict):  # read past, the model would be evaluated with other settings than it was trained
+        raise UserError(f"{path} is damaged ({record if isinstance(record, ValueError) else 'not a JSON object'}): "
+                        "it records how the model was trained; restore it, e.g. from a checkpoint's "
+                        "training_state.json, whose 'args' hold the same values")  # fmt: skip
+    return record

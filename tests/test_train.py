@@ -351,9 +351,18 @@ def test_a_line_cut_short_by_a_kill_is_skipped(tmp_path):
     assert read_jsonl(log) == [{"step": 1, "loss": 0.7}]
 
 
-def test_evaluate_ignores_a_damaged_args_json(tmp_path):
-    (tmp_path / "args.json").write_text("{not json")
-    assert evaluate_script.read_record(str(tmp_path)) == {}
+def test_evaluate_refuses_a_damaged_args_json(trained_tiny_model, tmp_path):
+    """Read past, the model would be evaluated in another precision, length and task than it was trained with."""
+    assert evaluate_script.read_record(str(tmp_path)) == {}  # a model from elsewhere has none
+    model = tmp_path / "model"
+    shutil.copytree(trained_tiny_model, model)
+    (model / "args.json").write_text((model / "args.json").read_text()[:-3])  # cut short
+    with pytest.raises(UserError, match=r"args.json is damaged \(.*\): it records how the model was trained"):
+        evaluate_script.main(
+            evaluate_script.parse_eval_args(
+                ["--model_name_or_path", str(model), "--validation_file", str(trained_tiny_model.parent / "dev.csv")]
+            )
+        )
 
 
 def test_train_loss_is_the_mean_step_loss_of_the_last_epoch(tiny_model, tiny_data, tmp_path):
