@@ -365,6 +365,12 @@ def test_byte_level_tokenizers_read_words_with_a_leading_space(tiny_decoders, tm
     for loaded, spaces in ((plain, 0), (tokenizer, 2)):  # "Ġ": the space before a word
         tokens = loaded.convert_ids_to_tokens(loaded(["York", "York"], is_split_into_words=True)["input_ids"])
         assert tokens.count("Ġ") == spaces, tokens
+    # As they load here (a TokenizersBackend, Qwen2's class), add_prefix_space changes nothing: the words get their
+    # spaces in the text. Either way a row's words are the sub-tokens of the same running text, as a pipeline sees it.
+    words = Dataset.from_list([{"tokens": ["the", "movie", "was", "good"], "ner_tags": ["O"] * 4}])
+    for source in (folder, tiny_decoders["gpt2"], tiny_decoders["qwen2"], tiny_decoders["llama"]):
+        loaded = task.load_tokenizer(str(source), types.SimpleNamespace(trust_remote_code=False))
+        assert task.features(words, loaded, 32)["input_ids"][0] == loaded("the movie was good")["input_ids"], source
 
 
 def test_a_step_weighs_every_label_token_alike_however_it_is_split(tiny_model_no_dropout, tmp_path):

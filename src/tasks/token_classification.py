@@ -161,10 +161,14 @@ class TokenClassification(Task):
         inside = [tag_id.get("I-" + name[2:], tag_id[name]) if name.startswith("B-") else tag_id[name]
                   for name in self.label_names]  # fmt: skip
 
+        spaced = _words_need_a_space(tokenizer)
+
         def encode(rows, indices):
             for row, words in enumerate(rows[words_column]):
                 _refuse_nulls(words, indices[row], words_column, "words")
-            encoded = tokenizer(rows[words_column], is_split_into_words=True, truncation=True, max_length=max_length)
+            texts = [[w if i == 0 else " " + w for i, w in enumerate(words)] for words in rows[words_column]] if (
+                spaced) else rows[words_column]  # fmt: skip
+            encoded = tokenizer(texts, is_split_into_words=True, truncation=True, max_length=max_length)
             encoded[INDEX_COLUMN] = indices
             encoded[LENGTH_COLUMN] = [len(ids) for ids in encoded["input_ids"]]
             encoded[CUT_COLUMN], encoded[EMPTY_COLUMN], encoded[WORD_IDS], all_labels = [], [], [], []
@@ -316,6 +320,19 @@ class TokenClassification(Task):
             'print(tagger("Your text here"))']  # fmt: skip
         return {"kind": self.describe(), "pipeline_tag": "token-classification", "labels": list(self.label_names),
                 "usage": usage}  # fmt: skip
+
+
+def _words_need_a_space(tokenizer) -> bool:
+    """Whether words given one by one are read as in running text only with a space before each but the first:
+    byte-level BPE (GPT-2, Qwen, Llama 3) reads " movie" otherwise than "movie", and the model card's pipeline gives
+    it running text. add_prefix_space (load_tokenizer) does not reach every such tokenizer; those that split at spaces
+    themselves (WordPiece, SentencePiece) need nothing."""
+    words = ["The", "movie", "was", "good"]
+    as_text = tokenizer(" ".join(words), add_special_tokens=False)["input_ids"]
+    if tokenizer(words, is_split_into_words=True, add_special_tokens=False)["input_ids"] == as_text:
+        return False
+    spaced = [words[0], *(" " + word for word in words[1:])]
+    return tokenizer(spaced, is_split_into_words=True, add_special_tokens=False)["input_ids"] == as_text
 
 
 def _refuse_nulls(values: list | None, row: int, column: str, what: str):
