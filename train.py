@@ -71,8 +71,6 @@ logger = get_logger(__name__)
 def build_accelerator(args, resume_path) -> tuple[Accelerator, str, int]:
     """The Accelerator, why it has its precision, and the CPU threads each process uses."""
     on_cpu = not torch.accelerator.is_available()
-    if not on_cpu:
-        torch.set_float32_matmul_precision("high")  # TF32: what stays fp32 runs on tensor cores too
     # A resumed run keeps its precision, also on a machine that would choose another: resume stays exact.
     saved = read_checkpoint_args(resume_path).get("mixed_precision") if resume_path else None
     return make_accelerator(

@@ -100,6 +100,8 @@ def make_accelerator(args, saved_precision: str | None, find_unused_parameters: 
     # single-process runs instead of N ranks of one. The process group comes first: rank 0 may time both
     # precisions on this machine's threads, and every rank takes its answer.
     state = PartialState(cpu=on_cpu, timeout=timedelta(seconds=args.ddp_timeout))
+    if not on_cpu:  # TF32: what stays fp32 runs on tensor cores too, in evaluate.py as in training's evaluations
+        torch.set_float32_matmul_precision("high")
     threads = set_cpu_threads(args.cpu_threads) if on_cpu else torch.get_num_threads()
     if on_cpu and local_world_size() > physical_cores():  # a GPU config (multi_gpu.yaml's 8) on a machine without GPUs
         get_logger(__name__).warning(
@@ -126,13 +128,16 @@ def accelerate_state_of_this_run():
     """Around main(): Accelerate's state of the process that main() sets up (precision, devices, the ended process
     group) is dropped when main() returns, stops or fails, so that a later run in the same notebook kernel or script,
     in any precision, starts as in a new process. A caller's own state stays: its Accelerator's whole, or the
-    PartialState of a notebook_launcher function (the run's precision is dropped from it all the same)."""
+    PartialState of a notebook_launcher function (the run's precision is dropped from it all the same). So does the
+    caller's float32 matmul precision, which a run on a GPU sets to TF32."""
     from accelerate.state import AcceleratorState, GradientState
 
     callers_partial_state, callers_accelerator = bool(PartialState._shared_state), bool(AcceleratorState._shared_state)
+    matmul_precision = torch.get_float32_matmul_precision()
     try:
         yield
     finally:
+        torch.set_float32_matmul_precision(matmul_precision)
         if not callers_accelerator:
             AcceleratorState._reset_state(reset_partial_state=not callers_partial_state)
             GradientState._reset_state()

@@ -170,6 +170,17 @@ def test_validation_split_carved_from_train_and_int_labels(tiny_model, tmp_path)
     assert AutoConfig.from_pretrained(out).id2label == {0: "3", 1: "7"}
 
 
+def test_a_run_leaves_the_float32_matmul_precision_as_it_found_it():
+    """A run on a GPU computes what stays fp32 in TF32 (make_accelerator, for train.py and evaluate.py alike); what the
+    process computes after main() returns has the precision it had before."""
+    from src.runtime import accelerate_state_of_this_run
+
+    before = torch.get_float32_matmul_precision()
+    with accelerate_state_of_this_run():
+        torch.set_float32_matmul_precision("medium" if before == "high" else "high")
+    assert torch.get_float32_matmul_precision() == before
+
+
 def test_evaluate_script_writes_results_predictions_and_picture(trained_tiny_model, tmp_path, monkeypatch):
     rows = sentiment_rows(37, seed=2)
     data = write_rows(tmp_path / "dev.csv", rows)
