@@ -207,6 +207,7 @@ SAME_ON_RESUME = (
     "max_train_samples",
     "validation_split_percentage",  # without a validation file, it decides which rows train
     "max_length",
+    "mixed_precision",  # kept when not given (a machine that would choose another); given, it must be the same
     "tokenizer_name",
     "model_type",  # a new model's definition: its config
     "config_name",

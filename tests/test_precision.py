@@ -145,6 +145,9 @@ def test_the_decision_is_saved_and_kept_on_resume_and_by_evaluate(
                    "--resume_from_checkpoint", str(bf16 / "checkpoint-8"), *flags)))  # fmt: skip
     assert json.loads((resumed / "args.json").read_text())["mixed_precision"] == "bf16"
     assert all(torch.equal(weights(bf16)[k], weights(resumed)[k]) for k in weights(bf16)), "the same computation"
+    with pytest.raises(UserError, match=r"other settings \(--mixed_precision bf16 -> no\)"):  # asked for: refused
+        run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, tmp_path / "fp32-resumed",
+                                           "--resume_from_checkpoint", str(bf16 / "checkpoint-8"), *flags))  # fmt: skip
 
     evaluated = tmp_path / "evaluated"
     # The training run's evaluation batches (8 rows), so the same computation: only the precision could differ.
