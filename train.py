@@ -35,12 +35,14 @@ from src.batch_size import fit_batch_sizes
 from src.checkpoint import (
     RESULTS_FILE,
     check_output_dir,
+    check_writable,
     holding_output_dir,
     is_checkpoint_writer,
     load_checkpoint,
     newest_checkpoint,
     read_checkpoint_args,
     remove_checkpoints,
+    remove_run_files,
     resolve_checkpoint,
     save_checkpoint,
 )
@@ -49,7 +51,7 @@ from src.errors import UserError, errors_reach_every_rank, main_process_first, r
 from src.evaluation import evaluate, evaluate_more
 from src.hub import check_hub_access, push_to_hub, upload_command
 from src.loaders import build_eval_dataloader, build_train_dataloader, padding_options
-from src.model import prepare_for_training, remove_saved_model, resolve_max_length
+from src.model import prepare_for_training, resolve_max_length
 from src.model_card import write_model_card
 from src.optimizer import build_optimizer, build_scheduler, count_parameters, use_sharded_parameters
 from src.plan import BatchSizes, Plan, learning_rate, make_plan
@@ -184,6 +186,7 @@ def main(args) -> dict:
 
 def train(args) -> dict:
     refuse_fsdp_without_gpus()
+    check_writable(args.output_dir)  # before hours of work
     resume = args.resume_from_checkpoint
     resume_path = resolve_checkpoint(resume, args.output_dir) if resume else None
     check_output_dir(args.output_dir, args.overwrite_output_dir, resume_path)
@@ -254,6 +257,7 @@ def train(args) -> dict:
                     "cpu_threads_per_process": cpu_threads,
                     "total_train_batch_size": plan.total_train_batch_size,
                     "global_step": state.global_step,
+                    "epoch": round(state.epoch + state.batches_in_epoch / len(train_dataloader), 3),  # as Trainer's
                     "trainable_parameters": trainable_parameters,
                     "total_parameters": total_parameters,
                 }
@@ -296,13 +300,11 @@ def start_or_resume(args, accelerator, task, resume_path, record: dict, batches_
         remove_checkpoints(args.output_dir, only_incomplete=not args.overwrite_output_dir)
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        # The old run's mark of a finished run and its model card: this one, if stopped, must not read as done (nor a
-        # finished run resumed for longer). Overwritten, its model goes too, lest a file of it be loaded with ours.
-        if args.overwrite_output_dir or resume_path:
+        if args.overwrite_output_dir:
+            remove_run_files(args.output_dir)
+        elif resume_path:  # a finished run resumed for longer: done, and described by its card, only once it ends
             for name in (RESULTS_FILE, "README.md"):
                 (args.output_dir / name).unlink(missing_ok=True)
-        if args.overwrite_output_dir:
-            remove_saved_model(args.output_dir)
         write_json(args.output_dir / "args.json", record)
         # A resumed run drops what the interrupted one logged after its checkpoint; a new run starts afresh.
         keep_records_up_to(args.output_dir / "metrics.jsonl", state.global_step)

@@ -510,7 +510,10 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         help="A checkpoint folder, or 'latest' for the newest one in --output_dir.",
     )
     checkpoints.add_argument(
-        "--overwrite_output_dir", action=Switch, help="Start afresh in an --output_dir that holds a run."
+        "--overwrite_output_dir",
+        action=Switch,
+        help="Start afresh in an --output_dir that holds a run: its checkpoints and files go when this run starts "
+        "(its TensorBoard logs stay).",
     )
     checkpoints.add_argument(
         "--max_time",
@@ -665,7 +668,7 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
                if option.startswith("--") and not option.startswith("--no-")}  # fmt: skip
     config = _read_config(parser, path)
     if unknown := [str(key) for key in config if key not in actions or key == "help"]:  # all at once, not one a run
-        hints = "; ".join(_key_hint(key, actions) for key in unknown)
+        hints = "; ".join(_key_hint(key, actions, parser.other_tasks_flags) for key in unknown)
         if parser.prog == "evaluate.py" and set(unknown) & {o[2:] for a in build_train_parser()._actions
                                                             for o in a.option_strings}:  # fmt: skip
             hints += "; evaluate.py reads the training run's settings from the model folder's args.json"
@@ -700,9 +703,11 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
     return words
 
 
-def _key_hint(key: str, actions: dict) -> str:
+def _key_hint(key: str, actions: dict, other_tasks_flags: dict) -> str:
     """An unknown config key, with what to write instead: a flag's key for Trainer's (`bf16: true` -> `mixed_precision:
-    bf16`), the key it resembles for a typo."""
+    bf16`), the key it resembles for a typo; or the listed task whose flag it is."""
+    if owner := other_tasks_flags.get(f"--{key}"):
+        return f"{key!r} (a flag of --task {owner}, not of this one: drop it, or choose that task)"
     close = difflib.get_close_matches(key.lower(), actions, 1, TYPO_CUTOFF)
     hint = UPSTREAM_FLAGS.get(f"--{key}") or (close and close[0])
     if key.startswith("no-") and isinstance(actions.get(key[3:]), Switch):  # a switch's --no- form
@@ -773,7 +778,7 @@ def task_flags(cls) -> list[str]:
     or folder: a copy elsewhere serves as well, and the task records what it reads from them (a template's text)."""
     common = {action.dest for action in build_train_parser([])._actions}
     return [action.dest for action in build_train_parser([cls])._actions
-            if action.dest not in common and action.type not in (_path, local_or_hub)]  # fmt: skip
+            if action.dest not in common and action.type not in (_path, local_or_hub, Path)]  # fmt: skip
 
 
 def _other_tasks_actions(chosen):
@@ -832,6 +837,8 @@ def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> arg
             f"{'--config_name' if args.config_name else '--model_type'} builds a new model with random weights, and "
             "--model_name_or_path fine-tunes a trained one: give one of them"
         )
+    if args.config_overrides:  # "a=1, b=2", as a shell or YAML may give it, recorded as "a=1,b=2": a resume compares it
+        args.config_overrides = ",".join(pair.strip() for pair in args.config_overrides.split(","))
     if args.config_overrides and not new_model:
         parser.error("--config_overrides changes the config of a new model: add --config_name or --model_type")
     if args.model_type:
@@ -864,6 +871,10 @@ def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> arg
         parser.error(f"--validation_split_percentage must be between 1 and 99, got {args.validation_split_percentage}")
     if args.text_pair_column and args.text_pair_column == args.text_column:
         parser.error("--text_pair_column must differ from --text_column")
+    for flag in ("model_name_or_path", "tokenizer_name"):  # a stopped run would leave that folder half replaced
+        if getattr(args, flag) and Path(getattr(args, flag)).resolve() == args.output_dir.resolve():
+            parser.error(f"--output_dir {args.output_dir} is --{flag}'s folder: the run would write over what it "
+                         "starts from; choose another --output_dir")  # fmt: skip
     if args.resume_from_checkpoint and args.overwrite_output_dir:
         parser.error("--resume_from_checkpoint continues a run and --overwrite_output_dir discards it: choose one")
     if args.merge_lora and not args.use_peft:

@@ -17,6 +17,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import RNG_STATE_NAME, load
 
 from src.errors import UserError, errors_reach_every_rank
+from src.record import RECORD_FILE
 from src.state import TrainState
 
 logger = get_logger(__name__)
@@ -50,8 +51,7 @@ def check_writable(folder: Path, flag: str = "--output_dir"):
 
 def check_output_dir(output_dir: Path, overwrite: bool, resume_from: Path | None):
     """Refuse to train over a finished run or its checkpoints unless asked to (--overwrite_output_dir, or a resume of
-    that run from a checkpoint in it), or where nothing can be written."""
-    check_writable(output_dir)
+    that run from a checkpoint in it)."""
     if overwrite or not Path(output_dir).is_dir():
         return
     if resume_from is not None and Path(resume_from).resolve().parent == Path(output_dir).resolve():
@@ -115,6 +115,18 @@ def _lock(output_dir: Path, save_on_each_node: bool):
     file.write(f"train.py, pid {os.getpid()} on {socket.gethostname()}\n")
     file.flush()
     return file
+
+
+def remove_run_files(output_dir: Path):
+    """An overwritten run's files, if the folder holds a run (its args.json): all but its TensorBoard logs and other
+    folders. Any of them left beside the new run's would be read with it: an adapter_config.json makes a whole model's
+    folder read as an adapter, a config.json an adapter's as a whole model, a chat_template.jinja changes the
+    tokenizer, an eval_results.json is another model's."""
+    if not (Path(output_dir) / RECORD_FILE).is_file():  # not a run's folder: nothing of it is ours to delete
+        return
+    for path in Path(output_dir).iterdir():
+        if path.is_file() and path.name != LOCK_FILE:
+            path.unlink()
 
 
 def remove_checkpoints(output_dir: Path, only_incomplete: bool = False):

@@ -157,7 +157,6 @@ def _overridden(config, overrides: str, rebuild: bool):
     values, so that what the architecture derives from them follows, as `LlamaConfig(hidden_size=64,
     num_attention_heads=4)` gets head_dim 16 where changing the attributes would keep the default's 128. A
     --config_name file's other values stay as written."""
-    overrides = ",".join(pair.strip() for pair in overrides.split(","))  # "a=1, b=2", as the shell may pass it
     try:
         config.update_from_string(overrides)
     except ValueError as err:
@@ -388,19 +387,6 @@ def _without_kv_cache(model):
     if getattr(model.config, "use_cache", False):
         model.config.use_cache = False
     return model
-
-
-# What saving writes, for every kind of model (whole, sharded, LoRA adapter): an earlier run's, left beside this run's
-# in an overwritten --output_dir, would be loaded with it or instead of it. A stale adapter_config.json makes a whole
-# model's folder read as an adapter; a stale config.json makes an adapter-only folder read as a whole model.
-SAVED_MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json", "adapter_model.*",
-                     "model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin*")  # fmt: skip
-
-
-def remove_saved_model(folder: Path):
-    for pattern in SAVED_MODEL_FILES:
-        for path in Path(folder).glob(pattern):
-            path.unlink()
 
 
 def save_model(

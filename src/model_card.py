@@ -72,7 +72,8 @@ def _table(title: str, header: tuple[str, str], rows, intro: str | None = None) 
 
 def _origin(settings: dict, base_name: str | None, new_model: bool) -> str:
     if new_model:
-        return f"A new model with random weights (the tokenizer of `{base_name}`), trained"
+        tokenizer = settings.get("tokenizer_name")  # the packaged model's is named by its Hub id, as a base model is
+        return f"A new model with random weights (the tokenizer of `{_base_model_id(tokenizer) or tokenizer}`), trained"
     if base_name:
         return f"Fine-tuned from `{base_name}`"
     new = settings.get("config_name") or settings.get("model_type")
@@ -107,7 +108,7 @@ def _hyperparameters(settings: dict, results: dict) -> list[tuple[str, object]]:
     rows = [
         ("learning rate", settings.get("learning_rate")),
         ("optimizer steps", results.get("global_step")),
-        ("epochs", settings.get("num_epochs")),  # the plan's: also with --max_train_steps (its last one partly)
+        ("epochs", results.get("epoch")),  # trained: with --max_train_steps or an early stop, perhaps a fraction
         ("total train batch size", results.get("total_train_batch_size")),
         ("per-device batch size", settings.get("per_device_train_batch_size")),
         ("processes", results.get("num_processes")),

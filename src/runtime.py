@@ -133,11 +133,15 @@ def accelerate_state_of_this_run():
     from accelerate.state import AcceleratorState, GradientState
 
     callers_partial_state, callers_accelerator = bool(PartialState._shared_state), bool(AcceleratorState._shared_state)
-    matmul_precision = torch.get_float32_matmul_precision()
+    try:
+        matmul_precision = torch.get_float32_matmul_precision()
+    except RuntimeError:  # set through torch's newer fp32_precision switches, which this getter refuses to read
+        matmul_precision = None
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(matmul_precision)
+        if matmul_precision is not None:
+            torch.set_float32_matmul_precision(matmul_precision)
         if not callers_accelerator:
             AcceleratorState._reset_state(reset_partial_state=not callers_partial_state)
             GradientState._reset_state()

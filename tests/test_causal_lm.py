@@ -462,7 +462,10 @@ def test_a_new_models_config_and_tokenizer_errors_name_their_flags(tiny_decoders
     # What the config class checks itself (Llama's 4096 wide default, 5 heads) is one line too.
     with pytest.raises(UserError, match=r"--config_overrides 'num_attention_heads=5': .*not a multiple"):
         new_config("llama", "num_attention_heads=5")
-    assert new_config("llama", "hidden_size=64, num_hidden_layers=2").num_hidden_layers == 2  # a space after a comma
+    from src.args import parse_train_args
+
+    spaced = parse_train_args(["--model_type", "llama", "--config_overrides", "hidden_size=64, num_hidden_layers=2"])
+    assert spaced.config_overrides == "hidden_size=64,num_hidden_layers=2"  # as a shell may pass it; recorded alike
     config = new_config("llama", "hidden_size=64,num_attention_heads=4,num_key_value_heads=2")
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (64, 4, 2)
     # What the architecture derives follows, as in LlamaConfig(hidden_size=64, num_attention_heads=4): head_dim 16

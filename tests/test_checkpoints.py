@@ -48,7 +48,7 @@ def test_rotation_keeps_the_newest_and_the_best(tiny_model, data, tmp_path, limi
     assert json.loads((out / "all_results.json").read_text())["eval_loss"] == best["eval_loss"]
 
 
-def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkeypatch, caplog):
+def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkeypatch, caplog, capsys):
     out = tmp_path / "out"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "epoch"))
     before = run_files(out)
@@ -66,12 +66,16 @@ def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkey
         with pytest.raises(RuntimeError, match="tracker refused"):
             run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--overwrite_output_dir"))
     assert before == run_files(out), "nothing touched"
-    # The old run's model files go too: a LoRA run's adapter_config.json left beside a whole model would make
-    # evaluate.py, from_pretrained and the card read the folder as that adapter.
+    # The old run's files go too: a LoRA run's adapter_config.json left beside a whole model would make evaluate.py,
+    # from_pretrained and the card read the folder as that adapter; a chat template would change the tokenizer.
     (out / "adapter_config.json").write_text("{}")
+    (out / "chat_template.jinja").write_text("{{ messages }}")
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events").write_text("logs")
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--overwrite_output_dir"))
     assert not list(out.glob("checkpoint-*")), "the old run's checkpoints went with it"
-    assert not (out / "adapter_config.json").exists()
+    assert not (out / "adapter_config.json").exists() and not (out / "chat_template.jinja").exists()
+    assert (out / "tensorboard" / "events").is_file(), "its TensorBoard logs stay"
     assert "library_name: transformers" in (out / "README.md").read_text()
     # Overwritten by a run that stops before its end: the old run's results (its mark of being done) go too, and its
     # model, which the stopped run has not replaced.
@@ -80,6 +84,16 @@ def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkey
     assert "run the same command without --overwrite_output_dir, with --resume_from_checkpoint latest" in caplog.text
     assert not (out / "all_results.json").exists() and not (out / "README.md").exists()
     assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+    # A folder that holds no run (no args.json) is not emptied, nor may a run write over the model it starts from.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        run_main(*train_args(tiny_model, *data, mine, "--overwrite_output_dir", "--max_time", "1e-9"))
+    assert (mine / "config.json").read_text() == "{}"
+    with pytest.raises(SystemExit):
+        train.parse_train_args(train_args(tiny_model, *data, tiny_model, "--overwrite_output_dir"))
+    assert "is --model_name_or_path's folder: the run would write over what it starts from" in capsys.readouterr().err
 
 
 def test_broken_checkpoints_get_a_clear_error(tiny_model, data, tmp_path):

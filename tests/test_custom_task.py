@@ -61,7 +61,8 @@ def test_a_task_of_ones_own_trains_on_two_ranks_and_resumes_exactly(custom_runs)
     assert "library_name" not in card and "from examples.custom_task import" in card, "the Hub offers no transformers"
     # Its weights are new: the packaged MiniLM gave the tokenizer only, so the card neither names it as the base model
     # nor says the model was fine-tuned from it.
-    assert "base_model:" not in card and "Fine-tuned" not in card and "A new model with random weights" in card
+    assert "base_model:" not in card and "Fine-tuned" not in card
+    assert f"A new model with random weights (the tokenizer of `{record['tokenizer_name']}`)" in card
 
 
 # The example task with a layer that its forward never calls: its parameters get no gradient in any step.
@@ -274,6 +275,11 @@ def test_a_listed_tasks_flag_under_ones_own_task_says_whose_it_is(tiny_model, ti
     assert "--packing is a flag of --task causal-lm, --class_weights is a flag of --task sequence-classification" in (
         capsys.readouterr().err
     )
+    config = tmp_path / "run.yaml"  # a --config file shared between tasks says as much
+    config.write_text("task: token-classification\npacking: false\n")
+    with pytest.raises(SystemExit):
+        parse_train_args([*base, "--config", str(config)])
+    assert "'packing' (a flag of --task causal-lm, not of this one: drop it" in capsys.readouterr().err
 
 
 def test_output_folders_of_earlier_versions_still_evaluate(trained_tiny_model, tiny_data, tmp_path):

@@ -199,7 +199,7 @@ def test_entity_level_metrics_of_tags_that_are_not_iob_are_refused():
     assert set(scores) == {"accuracy", "f1"}, "a record from before the refusal gets the plain tags' metrics"
 
 
-def test_words_cut_off_by_max_length_or_empty_are_counted_apart(caplog):
+def test_words_cut_off_by_max_length_or_empty_are_counted_apart(caplog, tiny_decoders):
     tokenizer = load_tokenizer(default_model_path())
     data = Dataset.from_list([{"tokens": ["a"] * 20, "ner_tags": ["O"] * 20}, {"tokens": ["b"], "ner_tags": ["O"]},
                               {"tokens": ["c", "", "d"], "ner_tags": ["O", "B-X", "B-X"]}])  # fmt: skip
@@ -210,6 +210,12 @@ def test_words_cut_off_by_max_length_or_empty_are_counted_apart(caplog):
     assert "14 word(s) in 1 of 3 examples do not fit in --max_length 8 sub-tokens" in caplog.text
     assert "1 word(s) in 1 of 3 examples give no sub-token (empty or invisible text)" in caplog.text
     assert rows[2]["word_ids"] == [IGNORE, 0, 2, IGNORE] and rows[2]["labels"] == [IGNORE, 1, 0, IGNORE]
+    # So with a byte-level tokenizer whose words get a space before them: the empty word gets none (" " is a token).
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        rows = task.features(data, load_tokenizer(str(tiny_decoders["qwen2"])), 8)
+    assert "1 word(s) in 1 of 3 examples give no sub-token (empty or invisible text)" in caplog.text
+    assert 1 not in rows[2]["word_ids"]
 
 
 def test_a_task_that_does_not_fit_the_data_is_one_line(tmp_path, tiny_model):

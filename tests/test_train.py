@@ -179,6 +179,14 @@ def test_a_run_leaves_the_float32_matmul_precision_as_it_found_it():
     with accelerate_state_of_this_run():
         torch.set_float32_matmul_precision("medium" if before == "high" else "high")
     assert torch.get_float32_matmul_precision() == before
+    # Set through torch's newer switches, which the older getter refuses to read: a run still starts.
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        with accelerate_state_of_this_run():
+            pass
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.set_float32_matmul_precision(before)
 
 
 def test_evaluate_script_writes_results_predictions_and_picture(trained_tiny_model, tmp_path, monkeypatch):

@@ -166,7 +166,8 @@ class TokenClassification(Task):
         def encode(rows, indices):
             for row, words in enumerate(rows[words_column]):
                 _refuse_nulls(words, indices[row], words_column, "words")
-            texts = [[w if i == 0 else " " + w for i, w in enumerate(words)] for words in rows[words_column]] if (
+            # An empty word stays empty: " " would be a token of its own.
+            texts = [[" " + w if i and w else w for i, w in enumerate(words)] for words in rows[words_column]] if (
                 spaced) else rows[words_column]  # fmt: skip
             encoded = tokenizer(texts, is_split_into_words=True, truncation=True, max_length=max_length)
             encoded[INDEX_COLUMN] = indices
@@ -312,11 +313,14 @@ class TokenClassification(Task):
     # --- the model card ---
     def model_card(self, where: str, base_name: str, adapter: bool) -> dict:
         # Entities: words grouped by their B-/I- tags. Other tags (NOUN, VERB): the pipeline would group neighbouring
-        # words of one tag as if they were an entity, so it gives each sub-token's, as trained on the word's first.
-        strategy = '"first")' if self.iob else "\"none\")  # a word's tag: its first sub-token's"
+        # words of one tag as if they were an entity, so it gives every sub-token's.
+        strategy, note = "first", []
+        if not self.iob:
+            untrained = "" if self.label_all_tokens else " (the others are not trained)"
+            strategy, note = "none", [f"# a word's tag is its first sub-token's{untrained}"]
         usage = self.adapter_usage(where, base_name) if adapter else [
             "from transformers import pipeline", "",
-            f'tagger = pipeline("token-classification", model="{where}", aggregation_strategy={strategy}',
+            f'tagger = pipeline("token-classification", model="{where}", aggregation_strategy="{strategy}")', *note,
             'print(tagger("Your text here"))']  # fmt: skip
         return {"kind": self.describe(), "pipeline_tag": "token-classification", "labels": list(self.label_names),
                 "usage": usage}  # fmt: skip
