@@ -93,9 +93,9 @@ def test_latest_is_the_newest_checkpoint_after_rotation(tiny_model, data, tmp_pa
 
     loaded, load_checkpoint = [], train.load_checkpoint
 
-    def recording_load(accelerator, path, args, **settings):
+    def recording_load(accelerator, path, *settings):
         loaded.append(path)
-        return load_checkpoint(accelerator, path, args, **settings)
+        return load_checkpoint(accelerator, path, *settings)
 
     monkeypatch.setattr(train, "load_checkpoint", recording_load)
     resumed = run_train([*args, "--resume_from_checkpoint", "latest"])
@@ -115,11 +115,11 @@ def test_ranks_resuming_from_different_steps_are_refused(tiny_model, data, tmp_p
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     load_checkpoint = train.load_checkpoint
 
-    def load_with_another_node_ahead(accelerator, path, args, **settings):
+    def load_with_another_node_ahead(accelerator, path, *settings):
         # While the checkpoint loads, a gather answers for this rank and for one that resumed 2 steps further on.
         accelerator.gather = lambda tensor: torch.cat([tensor, tensor + 2])
         try:
-            return load_checkpoint(accelerator, path, args, **settings)
+            return load_checkpoint(accelerator, path, *settings)
         finally:
             del accelerator.gather  # the class's own again
 
