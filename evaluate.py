@@ -7,7 +7,8 @@ The model folder may hold a whole model or a LoRA adapter and head (train.py --u
 Writes eval_results.json, predictions.csv (one row per example, in the data's order; multi-label
 label sets as JSON lists) and a picture (confusion matrix, or predicted-vs-true scatter for regression).
 With --predict_with_generate, a causal LM's answer to each row's prompt goes into predictions.csv too.
-The files are the same whether it runs on 1 or many processes.
+Every example counts once whether it runs on 1 or many processes; the metrics agree to the rounding of their
+6 decimals, except where another padding moves a computation in its last bits (see write_results).
 """
 
 import gc
@@ -154,8 +155,9 @@ def write_results(output_dir: Path, metrics: dict, columns: dict, task, data, ge
     """eval_results.json, predictions.csv (in the data's order, with the generations if any) and the task's
     pictures."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    # Rounded so that the number of processes (the summation order) cannot change the file. Another batch size or
-    # number of processes pads differently, which under bf16 autocast can move eval_loss in the 6th decimal.
+    # Rounded to 6 decimals, which hides most of what the number of processes changes (the summation order). Not all:
+    # another batch size or number of processes pads differently, which moves fp32 outputs by ~1e-7 (bf16 autocast:
+    # eval_loss in the 6th decimal), and a metric of nearly constant predictions (a correlation) magnifies that.
     write_json(output_dir / "eval_results.json", {k: round(v, 6) for k, v in metrics.items()})
     rows = (
         {"index": []}

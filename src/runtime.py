@@ -106,8 +106,8 @@ def make_accelerator(args, saved_precision: str | None, find_unused_parameters: 
     if on_cpu and local_world_size() > physical_cores():  # a GPU config (multi_gpu.yaml's 8) on a machine without GPUs
         get_logger(__name__).warning(
             f"{local_world_size()} processes share this machine's {physical_cores()} CPU cores (it has no GPU): they "
-            "wait for each other; for CPUs, launch with --config_file accelerate_configs/cpu.yaml and at most "
-            f"--num_processes {physical_cores()}"
+            f"wait for each other; launch at most --num_processes {physical_cores()} (with --config_file "
+            "accelerate_configs/cpu.yaml, whose threads are set for CPUs)"
         )
     precision, reason = choose_precision(args.mixed_precision, on_cpu, saved_precision)
     # DDP reorders its gradient buckets after a process's first step, so the first step after a resume would sum 3 or

@@ -54,7 +54,7 @@ def learnt(tokenizer, ids, labels) -> str:
     return tokenizer.decode([i for i, label in zip(ids, labels) if label != IGNORE])
 
 
-def test_text_column_names_the_text_and_each_text_ends_with_one_eos(tokenizer):
+def test_text_column_names_the_text_and_each_text_ends_with_one_eos(tokenizer, caplog):
     """TRL's dataset_text_field is --text_column here. A tokenizer that ends every text with its EOS already (BERT's
     [SEP], the docs' tokenizer for a new model) gets no second one."""
     data = Dataset.from_list(
@@ -67,8 +67,13 @@ def test_text_column_names_the_text_and_each_text_ends_with_one_eos(tokenizer):
                 *tokenizer("the acting")["input_ids"], tokenizer.eos_token_id]  # fmt: skip
     assert blocks["input_ids"] == [expected]
     assert CausalLM.from_record(task.record(), options(), None, ["body"]) == task, "evaluate.py reads the same column"
-    chat = CausalLM.from_record(task.record(), options(), None, ["messages"])  # data without it: found as train.py does
-    assert (chat.format, chat.text_column) == (CHAT, "text")
+    PartialState(cpu=True)  # accelerate's logger, which says it on the main process only
+    with caplog.at_level("WARNING"):  # data without it: found as train.py does, and said
+        chat = CausalLM.from_record(task.record(), options(), None, ["messages"])
+    assert (chat.format, chat.text_column) == (
+        CHAT,
+        "text",
+    ) and "trained on text rows and this data is chat" in caplog.text
     with pytest.raises(UserError, match=r"text column 'id' holds Value\('int64'\), not text: name a column of str"):
         CausalLM.from_data(options(text_column="id"), data).features(data, tokenizer, 64)
     with pytest.raises(UserError, match=r"--text_column 'title' is not in the data; its columns are: body"):
