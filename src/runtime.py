@@ -139,6 +139,12 @@ def accelerate_state_of_this_run():
         matmul_precision = None
     try:
         yield
+    except BaseException:
+        # A failed run's process group, left to the interpreter's exit, has gloo's threads torn down in no set order,
+        # and a rank may abort (SIGABRT) instead of exiting with its status; end_training() ends it when a run ends.
+        if not callers_partial_state and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        raise
     finally:
         if matmul_precision is not None:
             torch.set_float32_matmul_precision(matmul_precision)

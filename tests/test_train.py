@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from accelerate import PartialState
 from conftest import (
     LOSS_ATOL,
+    free_port,
     load_script,
     reference_logits,
     run_in_process,
@@ -187,6 +188,21 @@ def test_a_run_leaves_the_float32_matmul_precision_as_it_found_it():
     finally:
         torch.backends.cuda.matmul.fp32_precision = "ieee"
         torch.set_float32_matmul_precision(before)
+
+
+def test_a_failed_run_ends_the_process_group_it_set_up(monkeypatch):
+    """Left to the interpreter's exit, a failed rank's gloo threads were torn down in no set order, and a rank
+    sometimes aborted (SIGABRT, 'terminate called without an active exception') instead of exiting with status 2."""
+    import torch.distributed as dist
+
+    from src.runtime import accelerate_state_of_this_run
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", free_port())
+    with pytest.raises(UserError), accelerate_state_of_this_run():
+        dist.init_process_group("gloo", rank=0, world_size=1)  # as the run's PartialState does on each rank
+        raise UserError("a mistake in the data")
+    assert not dist.is_initialized()
 
 
 def test_evaluate_script_writes_results_predictions_and_picture(trained_tiny_model, tmp_path, monkeypatch):
