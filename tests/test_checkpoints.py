@@ -103,7 +103,9 @@ def test_broken_checkpoints_get_a_clear_error(tiny_model, data, tmp_path):
     ):
         run_main(*train_args(tiny_model, *data, tmp_path / "new", "--resume_from_checkpoint", "latest"))
     finished = tmp_path / "finished"  # without checkpoints: the next step is a new run from its model
-    run_main(*train_args(tiny_model, *data, finished, "--max_train_steps", "1"))
+    results = run_main(*train_args(tiny_model, *data, finished, "--max_train_steps", "1"))
+    # Its card's epochs are those trained, as all_results.json's (and Trainer's) `epoch`: 1 step of 8.
+    assert results["epoch"] == 1 / 8 and "| epochs | 0.125 |" in (finished / "README.md").read_text()
     with pytest.raises(train.UserError, match=f"finished run that kept no checkpoint.*--model_name_or_path {finished}"):
         run_main(*train_args(tiny_model, *data, finished, "--resume_from_checkpoint", "latest"))
     out = tmp_path / "out"
