@@ -300,8 +300,10 @@ def start_or_resume(args, accelerator, task, resume_path, record: dict, batches_
         remove_checkpoints(args.output_dir, only_incomplete=not args.overwrite_output_dir)
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        if args.overwrite_output_dir:
-            remove_run_files(args.output_dir)
+        if args.overwrite_output_dir:  # every flag's value that may be a path is kept, should it be one in there
+            remove_run_files(
+                args.output_dir, keep=[value for value in vars(args).values() if isinstance(value, (str, Path))]
+            )
         elif resume_path:  # a finished run resumed for longer: done, and described by its card, only once it ends
             for name in (RESULTS_FILE, "README.md"):
                 (args.output_dir / name).unlink(missing_ok=True)

@@ -117,15 +117,17 @@ def _lock(output_dir: Path, save_on_each_node: bool):
     return file
 
 
-def remove_run_files(output_dir: Path):
+def remove_run_files(output_dir: Path, keep=()):
     """An overwritten run's files, if the folder holds a run (its args.json): all but its TensorBoard logs and other
-    folders. Any of them left beside the new run's would be read with it: an adapter_config.json makes a whole model's
-    folder read as an adapter, a config.json an adapter's as a whole model, a chat_template.jinja changes the
-    tokenizer, an eval_results.json is another model's."""
+    folders, and the paths in `keep` (what the new run reads: its data or --config kept there). Any of them left
+    beside the new run's would be read with it: an adapter_config.json makes a whole model's folder read as an
+    adapter, a config.json an adapter's as a whole model, a chat_template.jinja changes the tokenizer, an
+    eval_results.json is another model's."""
     if not (Path(output_dir) / RECORD_FILE).is_file():  # not a run's folder: nothing of it is ours to delete
         return
+    kept = {Path(path).resolve() for path in keep}
     for path in Path(output_dir).iterdir():
-        if path.is_file() and path.name != LOCK_FILE:
+        if path.is_file() and path.name != LOCK_FILE and path.resolve() not in kept:
             path.unlink()
 
 

@@ -5,6 +5,7 @@ Best model, rotation and early stopping on 2 ranks: test_distributed.py (the sha
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,12 +79,15 @@ def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkey
     assert (out / "tensorboard" / "events").is_file(), "its TensorBoard logs stay"
     assert "library_name: transformers" in (out / "README.md").read_text()
     # Overwritten by a run that stops before its end: the old run's results (its mark of being done) go too, and its
-    # model, which the stopped run has not replaced.
+    # model, which the stopped run has not replaced. What this run reads stays: its data and --config kept there.
+    kept_data = [shutil.copy(file, out / f"kept_{file.name}") for file in data]
+    (out / "run.yaml").write_text("max_time: 1.0e-9\n")
     with pytest.raises(SystemExit), caplog.at_level("INFO"):
-        run_main(*train_args(tiny_model, *data, out, "--overwrite_output_dir", "--max_time", "1e-9"))
+        run_main(*train_args(tiny_model, *kept_data, out, "--overwrite_output_dir", "--config", str(out / "run.yaml")))
     assert "run the same command without --overwrite_output_dir, with --resume_from_checkpoint latest" in caplog.text
     assert not (out / "all_results.json").exists() and not (out / "README.md").exists()
     assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+    assert all(Path(file).is_file() for file in kept_data) and (out / "run.yaml").is_file()
     # A folder that holds no run (no args.json) is not emptied, nor may a run write over the model it starts from.
     mine = tmp_path / "mine"
     mine.mkdir()
