@@ -29,7 +29,7 @@ from src.errors import UserError, errors_reach_every_rank, main_process_first, r
 from src.evaluation import evaluate
 from src.generation import generate
 from src.glue import glue_labels
-from src.loaders import build_eval_dataloader, padding_options
+from src.loaders import build_eval_dataloader, collating_workers, padding_options
 from src.model import prepare_for_evaluation, resolve_max_length
 from src.record import DEFAULT_TASK, RECORD_FILE, read_record
 from src.reporting import setup_logging, write_json
@@ -130,7 +130,9 @@ def evaluate_model(args) -> dict:
     if len(dataset):  # prompts alone (no answers to score) are only answered, below
         collator = task.collator(tokenizer, **padding_options(accelerator.device))  # as train.py pads
         dataloader = accelerator.prepare(
-            build_eval_dataloader(dataset, collator, args.per_device_eval_batch_size, args.dataloader_num_workers)
+            build_eval_dataloader(
+                dataset, collator, args.per_device_eval_batch_size, collating_workers(args.dataloader_num_workers)
+            )
         )
         logger.info(
             f"Evaluating {args.model_name_or_path} on {len(dataset)} examples with {accelerator.num_processes} "

@@ -50,7 +50,7 @@ from src.data import check_columns, load_raw_splits
 from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli
 from src.evaluation import evaluate, evaluate_more
 from src.hub import check_hub_access, push_to_hub, upload_command
-from src.loaders import build_eval_dataloader, build_train_dataloader, padding_options
+from src.loaders import build_eval_dataloader, build_train_dataloader, collating_workers, padding_options
 from src.model import prepare_for_training, resolve_max_length
 from src.model_card import write_model_card
 from src.optimizer import build_optimizer, build_scheduler, count_parameters, use_sharded_parameters
@@ -137,13 +137,13 @@ def build_dataloaders(args, accelerator, model, splits, tokenizer, task, resume_
     )
     if args.auto_find_batch_size:
         sizes = fit_batch_sizes(sizes, accelerator, model, splits, collator, task, resume_path)
+    workers = collating_workers(args.dataloader_num_workers)
     train_dataloader = build_train_dataloader(
         splits["train"], collator, sizes.per_device_train_batch_size, accelerator.num_processes, args.seed,
-        args.group_by_length, accumulation=accelerator.gradient_accumulation_steps,
-        num_workers=args.dataloader_num_workers,
+        args.group_by_length, accumulation=accelerator.gradient_accumulation_steps, num_workers=workers,
     )  # fmt: skip
     eval_dataloaders = {
-        name: build_eval_dataloader(split, collator, sizes.per_device_eval_batch_size, args.dataloader_num_workers)
+        name: build_eval_dataloader(split, collator, sizes.per_device_eval_batch_size, workers)
         for name, split in splits.items()
         if name.startswith("validation")
     }
@@ -210,7 +210,7 @@ def train(args) -> dict:
     set_seed(args.seed, device_specific=True)
 
     # prepare() shards the training loader, so the step counts come from its new length.
-    plan = make_plan(args, accelerator, task, sizes, max_length, precision_reason, cpu_threads, len(train_dataloader))
+    plan = make_plan(args, accelerator, task, sizes, max_length, precision_reason, cpu_threads, train_dataloader)
     lr_scheduler = build_scheduler(optimizer, args, plan.max_train_steps)
     accelerator.register_for_checkpointing(lr_scheduler)  # stepped once per update by the loop, saved with the state
 

@@ -16,6 +16,10 @@ no weight gradient), N the non-embedding parameters; attention's own FLOPs are l
 GPU's memory in use (nvidia-smi, every 0.2 s) less what was in use before the run, so it includes the run's CUDA
 context (~0.5 GiB). A final short run with `torch.cuda.set_sync_debug_mode("warn")` counts the places where
 train.py's run makes the host wait for the GPU. Runs that would not end within --budget_s are skipped, and said so.
+
+Two diagnoses of where a step's time goes: first, one BERT-base step (eager, then each layer compiled) queued behind
+a GPU sleep, which gives the GPU's own time for the step; with --profile, the host's Python stacks of the BERT-base
+runs sampled by py-spy (waiting included) into <run>.folded, one line per stack.
 """
 
 import argparse
@@ -57,12 +61,15 @@ TINY = {
         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64
     ),
 }
-# (run name, model, runner, per-device batch, steps); runner: ours | workers (ours with --dataloader_num_workers 4:
-# the H200 run of 2026-11-26 was paced by the host) | trainer | lora | fsdp.
+# (run name, model, runner, per-device batch, steps); runner: ours (defaults: on a GPU, collating workers; each layer
+# compiled by accelerate's regional compilation) | in-process (ours collating in the process, --dataloader_num_workers
+# 0: the default before 2026-11-27) | whole (ours with the whole model compiled, as Trainer's torch_compile=True does) |
+# trainer | lora | fsdp.
 RUNS = [  # most wanted first: runs that would overrun the budget are the ones skipped
     ("bert-base train.py", "bert-base", "ours", 128, 150),
     ("bert-base Trainer", "bert-base", "trainer", 128, 150),
-    ("bert-base train.py, 4 collating workers", "bert-base", "workers", 128, 150),
+    ("bert-base train.py, collating in the process", "bert-base", "in-process", 128, 150),
+    ("bert-base train.py, whole model compiled", "bert-base", "whole", 128, 150),
     ("llama-1b LoRA train.py", "llama-1b", "lora", 16, 60),
     ("llama-1b full FSDP train.py", "llama-1b", "fsdp", 16, 60),
     ("minilm train.py", "minilm", "ours", 256, 150),
@@ -81,6 +88,9 @@ def parse_args():
     parser.add_argument("--budget_s", type=float, default=450, help="Skip runs that would end after this many s.")
     parser.add_argument("--no_compile", action="store_true", help="Leave torch.compile off for both runners.")
     parser.add_argument("--no_sync_check", action="store_true", help="Skip the host-sync count.")
+    parser.add_argument("--profile", action="store_true",
+                        help="Sample the BERT-base runs' Python stacks with py-spy (idle included), to <run>.folded: "
+                             "where the host's time goes in a step.")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="Toy sizes, few steps, CPU allowed: test the plumbing.")
     parser.add_argument("--sync_check", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -166,16 +176,18 @@ def ours_command(runner: str, model: Path, data: dict, batch: int, steps: int, o
                   "--report_to", "none", "--output_dir", str(out), "--overwrite_output_dir"]  # fmt: skip
     if runner == "lora":
         train_args += ["--use_peft"]
-    if runner == "workers":
-        train_args += ["--dataloader_num_workers", "4"]
+    if runner == "in-process":
+        train_args += ["--dataloader_num_workers", "0"]
     if not gpu:
         return [sys.executable, str(REPO / "train.py"), *train_args]
     config = "fsdp.yaml" if runner == "fsdp" else "single_gpu.yaml"
     config_file = str(REPO / "accelerate_configs" / config)
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file, "--num_processes", "1"]
-    if runner in ("ours", "workers") and not args.no_compile:
-        # Accelerate's own switch: prepare() compiles each repeated layer once (fast to compile) with inductor.
-        launch += ["--dynamo_backend", "inductor", "--dynamo_use_regional_compilation"]
+    if runner in ("ours", "in-process", "whole") and not args.no_compile:
+        # Accelerate's own switch: prepare() compiles the model with inductor, by default each repeated layer once
+        # (fast to compile).
+        launch += ["--dynamo_backend", "inductor"]
+        launch += [] if runner == "whole" else ["--dynamo_use_regional_compilation"]
     return [*launch, str(REPO / "train.py"), *train_args]
 
 
@@ -205,6 +217,48 @@ def steady_rate_ours(out: Path, batch: int, skip: int) -> tuple[float, float] | 
             tokens += window * record["tokens_per_second"]
         previous = record["step"]
     return (tokens / seconds) if seconds else None
+
+
+def host_and_gpu_ms(folder: Path, batch: int, seq_len: int, regional: bool) -> dict:
+    """One training step of the saved classifier on a batch already on the GPU (bf16 autocast, fused AdamW, SDPA, as
+    the runs), split into the host's time to queue it and the GPU's time to run it. The step is queued behind a ~1 s
+    GPU sleep, so the host never waits for the GPU, and the GPU, once awake, runs the queued kernels back to back.
+    Best of 3. `regional`: each layer compiled, as accelerate's regional compilation does."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    model = model.cuda().train()
+    if regional:
+        for layer in model.base_model.encoder.layer:
+            layer.compile()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5, fused=True)
+    ids = torch.randint(len(SPECIAL), VOCAB_WORDS, (batch, seq_len), device="cuda")
+    labels = torch.randint(0, 2, (batch,), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    host, gpu = [], []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000_000)  # cycles: ~1 s
+        start.record()
+        queued = time.perf_counter()
+        step()
+        host.append(1000 * (time.perf_counter() - queued))
+        end.record()
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end))
+    # A host time near 1,000 ms would mean the queue filled up and the host waited after all.
+    return {"host_ms": round(min(host), 2), "gpu_ms": round(min(gpu), 2)}
 
 
 def sync_check(argv: list[str]):
@@ -249,6 +303,8 @@ def main():
     device = torch.device("cuda" if gpu else "cpu")
     if not gpu and not args.tiny:
         raise SystemExit("no CUDA GPU: run with --tiny to check the script on the CPU")
+    if args.profile and not shutil.which("py-spy"):
+        raise SystemExit("--profile samples with py-spy, not on the PATH (benchmarks/gpu_prepare.sh fetches it)")
     args.report_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(args.work_dir, ignore_errors=True)
     args.work_dir.mkdir(parents=True)
@@ -279,6 +335,17 @@ def main():
 
     results, log = [], []
     params = {}
+    notes = {}
+    if gpu and "bert-base" in [run[1] for run in runs]:
+        params["bert-base"] = make_model("bert-base", args.work_dir / "bert-base", args.tiny, device.type)
+        for regional in (False, True):
+            key = f"bert-base one step, {'each layer compiled' if regional else 'eager'}"
+            try:
+                notes[key] = host_and_gpu_ms(args.work_dir / "bert-base", 128, args.seq_len, regional)
+            except Exception as err:  # a diagnosis: the runs go on without it
+                notes[key] = f"failed: {err!r}"[:300]
+            torch.cuda.empty_cache()  # the runs' peak memory is read off the whole GPU
+            print(f"[{time.perf_counter() - started:5.0f} s] {key}: {notes[key]}", flush=True)
     for name, model_name, runner, batch, steps in runs:
         elapsed = time.perf_counter() - started
         row = {"run": name, "batch": batch, "steps": steps, "status": "ok"}
@@ -299,6 +366,10 @@ def main():
         else:
             command = ours_command(runner, folder, data, batch, steps, out, args, gpu)
         print(f"[{time.perf_counter() - started:5.0f} s] {name}: {' '.join(command[1:4])} ...", flush=True)
+        if args.profile and model_name == runs[0][1] and runner in ("ours", "trainer", "in-process"):
+            folded = args.report_dir / (name.split(",")[0].replace(" ", "_") + f"_{runner}.folded")
+            command = ["py-spy", "record", "--idle", "--nonblocking", "--subprocesses", "--rate", "100",
+                       "--format", "raw", "--output", str(folded), "--", *command]  # fmt: skip
         run_start = time.perf_counter()
         timeout = max(60, args.budget_s + 30 - elapsed)
         with MemoryPoll() as memory:
@@ -312,7 +383,7 @@ def main():
         log.append(f"===== {name} (exit {code})\n{' '.join(command)}\n" + output[-6000:])
         if code != 0:
             row["status"] = f"FAILED (exit {code}); see gpu_logs.txt"
-            write_report(args, started, device_name, versions, peak, results, log, None)
+            write_report(args, started, device_name, versions, peak, results, log, None, notes)
             continue
         if runner == "trainer":
             measured = json.loads((out / "results.json").read_text())
@@ -322,13 +393,13 @@ def main():
             rate = steady_rate_ours(out, batch, args.skip_steps)
         flops_per_token = (4 if runner == "lora" else 6) * params[model_name]["non_embedding"]
         row.update(tokens_per_s=rate, mfu=flops_per_token * rate / peak if rate else None)
-        write_report(args, started, device_name, versions, peak, results, log, None)
+        write_report(args, started, device_name, versions, peak, results, log, None, notes)
 
     encoder = next((name for name in ("minilm", "bert-base") if name in params), None)
     in_budget = args.tiny or time.perf_counter() - started + 45 < args.budget_s
     if not args.no_sync_check and encoder and in_budget:
         out = args.work_dir / "runs" / "sync_check"
-        batch, steps = (4, 6) if args.tiny else (64, 60)
+        batch, steps = (4, 6) if args.tiny else (64, 30)
         argv = ours_command("ours", args.work_dir / encoder, data, batch, steps, out, args, gpu=False)[2:]
         argv += ["--mixed_precision", "bf16"]
         done = subprocess.run([sys.executable, __file__, "--sync_check", *argv], cwd=REPO, env=env,
@@ -339,10 +410,10 @@ def main():
     else:
         sync = None
 
-    print(write_report(args, started, device_name, versions, peak, results, log, sync))
+    print(write_report(args, started, device_name, versions, peak, results, log, sync, notes))
 
 
-def write_report(args, started, device_name, versions, peak, results, log, sync):
+def write_report(args, started, device_name, versions, peak, results, log, sync, notes):
     """The table, JSON and logs so far: written after every run, so a run cut short still reports what it measured."""
     by_name = {row["run"]: row for row in results}
     compiled = ", torch.compile" if device_name != "CPU" and not args.no_compile else ""
@@ -364,10 +435,12 @@ def write_report(args, started, device_name, versions, peak, results, log, sync)
         lines.append("| " + " | ".join(cells) + " |")
     if sync is not None:
         lines += ["", f"Where train.py's run made the host wait for the GPU (file:line: count): {json.dumps(sync)}"]
+    for key, value in notes.items():
+        lines += ["", f"{key} (host's time to queue it, GPU's time to run it): {value}"]
     lines += ["", f"Whole benchmark: {time.perf_counter() - started:.0f} s"]
     table = "\n".join(lines) + "\n"
     (args.report_dir / "gpu_benchmark.md").write_text(table)
-    everything = {"versions": versions, "peak": peak, "runs": results, "sync": sync}
+    everything = {"versions": versions, "peak": peak, "runs": results, "sync": sync, "notes": notes}
     (args.report_dir / "gpu_benchmark.json").write_text(json.dumps(everything, indent=1))
     (args.report_dir / "gpu_logs.txt").write_text("\n".join(log))
     return table

@@ -1,6 +1,7 @@
-"""What a run settles after its flags are parsed: the precision and threads the machine gets, the batch sizes the
-probe found, the text length the model allows, the metric for the best model, and the step counts that follow from
-the sharded data. Built once, by `make_plan`, and saved with the flags; the flags themselves are never changed."""
+"""What a run settles after its flags are parsed: the precision, threads and collating workers the machine gets, the
+batch sizes the probe found, the text length the model allows, the metric for the best model, and the step counts
+that follow from the sharded data. Built once, by `make_plan`, and saved with the flags; the flags themselves are never
+changed."""
 
 import math
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ class Plan:
     mixed_precision: str
     mixed_precision_reason: str
     cpu_threads: int
+    dataloader_num_workers: int
     learning_rate: float
     per_device_train_batch_size: int
     gradient_accumulation_steps: int
@@ -55,17 +57,18 @@ def learning_rate(args, task) -> float:
 
 
 def make_plan(args, accelerator, task, sizes: BatchSizes, max_length, precision_reason: str, cpu_threads: int,
-              batches_per_epoch: int) -> Plan:  # fmt: skip
-    """`batches_per_epoch`: the length of the training loader after prepare() sharded it."""
+              train_dataloader) -> Plan:  # fmt: skip
+    """`train_dataloader`: the training loader after prepare() sharded it."""
     # The engine's accumulation counts (DeepSpeed's config overrides the flag).
     accumulation = accelerator.gradient_accumulation_steps
-    steps_per_epoch = math.ceil(batches_per_epoch / accumulation)
+    steps_per_epoch = math.ceil(len(train_dataloader) / accumulation)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     metric, greater = best_metric(args, task)
     return Plan(
         mixed_precision=accelerator.mixed_precision,
         mixed_precision_reason=precision_reason,
         cpu_threads=cpu_threads,
+        dataloader_num_workers=train_dataloader.num_workers,
         learning_rate=learning_rate(args, task),
         per_device_train_batch_size=sizes.per_device_train_batch_size,
         gradient_accumulation_steps=accumulation,

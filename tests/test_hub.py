@@ -124,7 +124,7 @@ def test_without_push_to_hub_the_token_is_dropped_and_the_hub_untouched(fake_hub
     args = SimpleNamespace(hub_token=SECRET, push_to_hub=False, hub_model_id=None, output_dir=tmp_path,
                            train_file=None, validation_file=None)  # fmt: skip
     assert check_hub_access(args, one_process) is None and not fake_hub.calls
-    plan = Plan("no", "asked for", 1, 5e-5, 8, 1, 8, 64, "accuracy", True, 10, 1, 8)
+    plan = Plan("no", "asked for", 1, 0, 5e-5, 8, 1, 8, 64, "accuracy", True, 10, 1, 8)
     record = run_record(args, plan, BINARY)
     assert "hub_token" not in record and SECRET not in json.dumps(record)
 

@@ -11,7 +11,8 @@ import pytest
 from conftest import REPO, run_process
 from datasets import Dataset
 
-from src.loaders import LENGTH_COLUMN, LengthGroupedSampler, lengths_of
+import src.loaders
+from src.loaders import LENGTH_COLUMN, LengthGroupedSampler, collating_workers, lengths_of
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -53,6 +54,20 @@ def test_sampler_guarantees_hold_with_wide_windows():
 def test_lengths_of_reads_the_column_in_row_order():
     dataset = Dataset.from_dict({LENGTH_COLUMN: [5, 3, 9, 1]}).select([3, 2, 1, 0])
     assert lengths_of(dataset).tolist() == [1, 9, 3, 5]
+
+
+def test_collating_workers_default_to_a_share_of_the_cpus_on_gpus_and_to_none_without(monkeypatch):
+    """On a GPU the batches are collated beside each process (up to 4 workers, one CPU of each process's share left to
+    it); without one the CPUs compute, so the process collates; a number given is kept."""
+    monkeypatch.setattr(src.loaders.torch.cuda, "is_available", lambda: False)
+    assert collating_workers(None) == 0 and collating_workers(3) == 3
+    monkeypatch.setattr(src.loaders.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(src.loaders.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    expected = {1: 4, 4: 3, 8: 1, 16: 0}  # processes on the machine: workers each
+    for processes, workers in expected.items():
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
+        assert collating_workers(None) == workers, processes
+    assert collating_workers(0) == 0
 
 
 def test_benchmark_targets_report_met_and_missed():

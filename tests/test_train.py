@@ -96,6 +96,7 @@ def test_classification_end_to_end(tiny_model, tiny_data, tmp_path, monkeypatch)
     assert tensor_names(out / "model.safetensors") == tensor_names(tiny_model / "model.safetensors")
     args = json.loads((out / "args.json").read_text())
     assert args["text_column"] == "sentence" and args["label_column"] == "label"
+    assert args["dataloader_num_workers"] == 0, "the workers the run used (no GPU: none), not the flag's None"
 
     logged = records(out)
     losses, evaluations = [r for r in logged if "loss" in r], [r for r in logged if "eval_loss" in r]

@@ -158,7 +158,8 @@ class Task:
     def units(self, batch: dict) -> torch.Tensor:
         """How many units `step` will sum the batch's loss over, known before the forward pass so that the loop can
         normalise every batch of an optimizer step by the step's units on all ranks: one per example here."""
-        return torch.tensor(len(batch["labels"]), device=batch["labels"].device)
+        # torch.full, not torch.tensor: copying a number from the host to a GPU makes the host wait for the GPU.
+        return torch.full((), len(batch["labels"]), device=batch["labels"].device)
 
     def counts(self, batch: dict) -> tuple[int, torch.Tensor | int, int]:
         """(examples, real tokens, padded tokens) of a batch, for the logged samples/s and tokens/s: from a tokenizer's
