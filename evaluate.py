@@ -129,10 +129,9 @@ def evaluate_model(args) -> dict:
     metrics, columns = {"eval_samples": 0}, None
     if len(dataset):  # prompts alone (no answers to score) are only answered, below
         collator = task.collator(tokenizer, **padding_options(accelerator.device))  # as train.py pads
+        workers = collating_workers(args.dataloader_num_workers, accelerator.device)
         dataloader = accelerator.prepare(
-            build_eval_dataloader(
-                dataset, collator, args.per_device_eval_batch_size, collating_workers(args.dataloader_num_workers)
-            )
+            build_eval_dataloader(dataset, collator, args.per_device_eval_batch_size, workers)
         )
         logger.info(
             f"Evaluating {args.model_name_or_path} on {len(dataset)} examples with {accelerator.num_processes} "

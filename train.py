@@ -137,7 +137,7 @@ def build_dataloaders(args, accelerator, model, splits, tokenizer, task, resume_
     )
     if args.auto_find_batch_size:
         sizes = fit_batch_sizes(sizes, accelerator, model, splits, collator, task, resume_path)
-    workers = collating_workers(args.dataloader_num_workers)
+    workers = collating_workers(args.dataloader_num_workers, accelerator.device)
     train_dataloader = build_train_dataloader(
         splits["train"], collator, sizes.per_device_train_batch_size, accelerator.num_processes, args.seed,
         args.group_by_length, accumulation=accelerator.gradient_accumulation_steps, num_workers=workers,
@@ -227,7 +227,8 @@ def train(args) -> dict:
         logger.info(f"  Num examples = {len(splits['train'])} train, {len(splits['validation'])} validation")
         logger.info(
             f"  Processes = {accelerator.num_processes} on {accelerator.device.type} "
-            f"({accelerator.distributed_type.value}), {cpu_threads} CPU threads per process, "
+            f"({accelerator.distributed_type.value}), {cpu_threads} CPU threads and {plan.dataloader_num_workers} "
+            "collating workers per process, "
             f"mixed precision = {plan.mixed_precision} ({precision_reason})"
         )
         logger.info(f"  Instantaneous batch size per device = {plan.per_device_train_batch_size}")

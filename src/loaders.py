@@ -2,6 +2,7 @@
 same way for training, evaluation and the batch-size probe."""
 
 import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -108,30 +109,41 @@ class PaddingColumnToo:
         return batch
 
 
-def collating_workers(requested: int | None) -> int:
-    """--dataloader_num_workers, else the default: on a GPU, up to 4 per process from the CPUs the machine's processes
-    share, one of each process's left to the process itself. Collating in the process, the host builds each batch while
-    the GPU waits: transformers' attention-mask check (`mask.all()`) makes the host wait for the GPU at every forward
-    pass, so collation cannot overlap the step before (BERT-base, batch 128 x 128 tokens, one H200: 260k tokens/s
-    collating in the process, 460k with 4 workers). Without a GPU the cores compute: 0."""
+def collating_workers(requested: int | None, device: torch.device) -> int:
+    """--dataloader_num_workers, else the default: on a CUDA GPU, up to 4 per process from the CPUs the machine's
+    processes share, one of each process's left to the process itself. Collating in the process, the host builds each
+    batch while the GPU waits: transformers' attention-mask check (`mask.all()`) makes the host wait for the GPU at
+    every forward pass, so collation cannot overlap the step before (BERT-base, batch 128 x 128 tokens, one H200: 260k
+    tokens/s collating in the process, 460k with 4 workers). Without a GPU the cores compute: 0."""
     if requested is not None:
         return requested
-    if not torch.cuda.is_available():
+    if device.type != "cuda":
         return 0
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(0, min(4, cpus // local_world_size() - 1))
 
 
-def _loader(dataset: Dataset, collator, batch_size: int, sampler, seed: int, num_workers: int) -> DataLoader:
-    """`num_workers` collating processes (--dataloader_num_workers), kept across epochs. The sampler stays in this
-    process, so batches, their order and an exact resume do not depend on the workers."""
+def _worker_ignores_sigterm(worker_id: int):
+    """SLURM, systemd and Kubernetes send SIGTERM to every process of a job, collating workers too. torch's workers die
+    of it, and their rank then fails where its own handler would have saved a checkpoint. Ignoring it, a worker still
+    ends with its loader or, within seconds, with its rank (torch's watchdog). A module's function: workers started
+    by spawn receive it pickled."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _loader(dataset: Dataset, collator, batch_size: int, sampler, seed: int, num_workers: int,
+            keep_workers: bool) -> DataLoader:  # fmt: skip
+    """`num_workers` collating processes (--dataloader_num_workers), kept across epochs if `keep_workers` (training;
+    an evaluation starts its own, as Trainer's do, so that no idle ones stay beside each validation split). The
+    sampler stays in this process, so batches, their order and an exact resume do not depend on the workers."""
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
         # The loader's own generator: starting an epoch must not draw from the global RNG that dropout uses,
         # or a resumed run would drop out different units than the uninterrupted one.
         generator=torch.Generator().manual_seed(seed),
         pin_memory=torch.cuda.is_available(),  # lets the non-blocking copy to the GPU really overlap
-        num_workers=num_workers, persistent_workers=num_workers > 0,
+        num_workers=num_workers, persistent_workers=keep_workers and num_workers > 0,
+        worker_init_fn=_worker_ignores_sigterm if num_workers else None,
     )  # fmt: skip
 
 
@@ -140,10 +152,12 @@ def build_train_dataloader(dataset: Dataset, collator, batch_size: int, num_proc
     update = batch_size * num_processes * accumulation  # the examples of one optimizer step
     sampler = LengthGroupedSampler(lengths_of(dataset), update, seed, group_by_length)
     return _loader(dataset.remove_columns([INDEX_COLUMN, LENGTH_COLUMN]), collator, batch_size, sampler, seed,
-                   num_workers)  # fmt: skip
+                   num_workers, keep_workers=True)  # fmt: skip
 
 
 def build_eval_dataloader(dataset: Dataset, collator, batch_size: int, num_workers: int = 0) -> DataLoader:
     """Longest examples first, so batches hold similar lengths; `evaluate` puts results back in row order."""
     by_length = np.argsort(-lengths_of(dataset), kind="stable").tolist()
-    return _loader(dataset.remove_columns(LENGTH_COLUMN), collator, batch_size, by_length, 0, num_workers)
+    return _loader(
+        dataset.remove_columns(LENGTH_COLUMN), collator, batch_size, by_length, 0, num_workers, keep_workers=False
+    )

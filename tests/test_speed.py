@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from conftest import REPO, run_process
 from datasets import Dataset
 
@@ -57,17 +58,16 @@ def test_lengths_of_reads_the_column_in_row_order():
 
 
 def test_collating_workers_default_to_a_share_of_the_cpus_on_gpus_and_to_none_without(monkeypatch):
-    """On a GPU the batches are collated beside each process (up to 4 workers, one CPU of each process's share left to
-    it); without one the CPUs compute, so the process collates; a number given is kept."""
-    monkeypatch.setattr(src.loaders.torch.cuda, "is_available", lambda: False)
-    assert collating_workers(None) == 0 and collating_workers(3) == 3
-    monkeypatch.setattr(src.loaders.torch.cuda, "is_available", lambda: True)
+    """On a CUDA GPU the batches are collated beside each process (up to 4 workers, one CPU of each process's share left
+    to it); elsewhere the CPUs compute, so the process collates; a number given is kept."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert collating_workers(None, cpu) == 0 and collating_workers(3, cpu) == 3
     monkeypatch.setattr(src.loaders.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     expected = {1: 4, 4: 3, 8: 1, 16: 0}  # processes on the machine: workers each
     for processes, workers in expected.items():
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
-        assert collating_workers(None) == workers, processes
-    assert collating_workers(0) == 0
+        assert collating_workers(None, cuda) == workers, processes
+    assert collating_workers(0, cuda) == 0
 
 
 def test_benchmark_targets_report_met_and_missed():
