@@ -3,6 +3,7 @@ same way for training, evaluation and the batch-size probe."""
 
 import os
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -124,11 +125,22 @@ def collating_workers(requested: int | None, device: torch.device) -> int:
 
 
 def _worker_ignores_sigterm(worker_id: int):
-    """SLURM, systemd and Kubernetes send SIGTERM to every process of a job, collating workers too. torch's workers die
-    of it, and their rank then fails where its own handler would have saved a checkpoint. Ignoring it, a worker still
-    ends with its loader or, within seconds, with its rank (torch's watchdog). A module's function: workers started
-    by spawn receive it pickled."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """SLURM and systemd send SIGTERM to every process of a job, collating workers too. torch's workers die of a
+    SIGTERM that their rank did not send, and the rank then fails where its own handler would have saved a checkpoint.
+    So a worker takes SIGTERM from its rank only: the signal is blocked, and a thread waits for it and ends the worker
+    when the rank sent it (multiprocessing stops a rank's workers so as it exits, and waits for them). A module's
+    function: workers started by spawn receive it pickled. Without sigwaitinfo (macOS), torch's handling stays."""
+    if not hasattr(signal, "sigwaitinfo"):
+        return
+    rank = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # for this thread and the threads it starts
+
+    def end_on_the_ranks_sigterm():
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank:
+            pass  # the scheduler's: the rank saves a checkpoint, then stops its workers
+        os._exit(0)
+
+    threading.Thread(target=end_on_the_ranks_sigterm, daemon=True).start()
 
 
 def _loader(dataset: Dataset, collator, batch_size: int, sampler, seed: int, num_workers: int,

@@ -61,6 +61,31 @@ def test_an_error_on_every_rank_stops_them_all_promptly(tmp_path, tiny_model):
     assert "[rank 0] error:" in result.stderr and "[rank 1] error:" in result.stderr
 
 
+# A bug in the task's step at the third batch: not a UserError, so Python prints its traceback and keeps it to the end.
+CRASHING_STEP = """
+import runpy, sys
+import src.tasks.sequence_classification as task
+step, calls = task.SequenceClassification.step, []
+def crashing(self, model, batch):
+    calls.append(batch)
+    if len(calls) == 3:
+        raise RuntimeError("a bug in the step")
+    return step(self, model, batch)
+task.SequenceClassification.step = crashing
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_crash_with_collating_workers_exits_with_its_traceback(tmp_path, tiny_model, tiny_data):
+    """The traceback holds the run's frames, so its DataLoader lives to the end, and multiprocessing stops the workers
+    as the process exits, with SIGTERM, and waits for them: a worker that ignored every SIGTERM (src/loaders.py) kept
+    the process waiting for ever."""
+    args = train_args(tiny_model, *tiny_data, tmp_path / "out", "--dataloader_num_workers", "1")
+    result = run_script("-c", CRASHING_STEP, *args)
+    assert result.returncode == 1 and "RuntimeError: a bug in the step" in result.stderr, result.stderr[-2000:]
+
+
 def test_unreachable_model_is_named(tmp_path, tiny_data):
     args = train_args("no-such-org/no-such-model", *tiny_data, tmp_path / "out")
     with pytest.raises(train.UserError, match="--model_name_or_path no-such-org/no-such-model: cannot load"):

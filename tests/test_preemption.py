@@ -322,6 +322,7 @@ def test_max_time_checkpoints_and_resumes_exactly_in_process(tiny_model, data, t
     resume = ("--resume_from_checkpoint", "latest", "--dataloader_num_workers", "2")
     train.main(train.parse_train_args(run_args(tiny_model, data, folder, 1, *one_epoch, *resume)))
     assert_same_weights(reference, folder)
+    assert logged_steps(folder) == logged_steps(reference), "no record lost or doubled by the resume"
     # The step losses summed so far are carried over as they were, so train_loss is the same to the last bit.
     losses = [json.loads((run / "all_results.json").read_text())["train_loss"] for run in (reference, folder)]
     assert losses[0] == losses[1]
