@@ -6,6 +6,7 @@ import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -124,15 +125,15 @@ def collating_workers(requested: int | None, device: torch.device) -> int:
     return max(0, min(4, cpus // local_world_size() - 1))
 
 
-def _worker_ignores_sigterm(worker_id: int):
-    """SLURM and systemd send SIGTERM to every process of a job, collating workers too. torch's workers die of a
-    SIGTERM that their rank did not send, and the rank then fails where its own handler would have saved a checkpoint.
-    So a worker takes SIGTERM from its rank only: the signal is blocked, and a thread waits for it and ends the worker
-    when the rank sent it (multiprocessing stops a rank's workers so as it exits, and waits for them). A module's
-    function: workers started by spawn receive it pickled. Without sigwaitinfo (macOS), torch's handling stays."""
+def _take_sigterm_from_the_rank_only(rank: int, worker_id: int):
+    """In a collating worker of process `rank`. SLURM and systemd send SIGTERM to every process of a job, collating
+    workers too. torch's workers die of a SIGTERM that their rank did not send, and the rank then fails where its own
+    handler would have saved a checkpoint. So the signal is blocked, and a thread waits for it and ends the worker when
+    the rank sent it (multiprocessing stops a rank's workers so as it exits, and waits for them). The rank's process
+    id is given, not read as the parent's: under forkserver (Python 3.14's default) the parent is the server. Without
+    sigwaitinfo (macOS), torch's handling stays."""
     if not hasattr(signal, "sigwaitinfo"):
         return
-    rank = os.getppid()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # for this thread and the threads it starts
 
     def end_on_the_ranks_sigterm():
@@ -155,7 +156,7 @@ def _loader(dataset: Dataset, collator, batch_size: int, sampler, seed: int, num
         generator=torch.Generator().manual_seed(seed),
         pin_memory=torch.cuda.is_available(),  # lets the non-blocking copy to the GPU really overlap
         num_workers=num_workers, persistent_workers=keep_workers and num_workers > 0,
-        worker_init_fn=_worker_ignores_sigterm if num_workers else None,
+        worker_init_fn=partial(_take_sigterm_from_the_rank_only, os.getpid()) if num_workers else None,
     )  # fmt: skip
 
 
