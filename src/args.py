@@ -264,8 +264,8 @@ def _add_data_arguments(group, split_help):
         "--dataloader_num_workers",
         type=_non_negative_int,
         help="Processes that collate batches beside each process, as in Trainer; 0: the process itself. Default: on "
-        "GPUs up to 4 per process, from the CPUs it shares (collation then leaves the host's path: BERT-base ran 1.8x "
-        "faster on an H200); without GPUs 0, as there they would take cores from the computation.",
+        "CUDA GPUs up to 4 per process, from the CPUs it shares (collation then leaves the host's path: BERT-base ran "
+        "1.8x faster on an H200); elsewhere 0, as there they would take cores from the computation.",
     )
 
 

@@ -2,8 +2,6 @@
 same way for training, evaluation and the batch-size probe."""
 
 import os
-import signal
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -14,7 +12,8 @@ from datasets import Dataset
 from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorForTokenClassification, DataCollatorWithPadding
 
-from src.runtime import local_world_size
+from src.runtime import local_world_size, usable_cpus
+from src.signals import take_sigterm_from_the_rank_only
 
 INDEX_COLUMN = "example_index"  # position in the evaluated data, so results can be put back in order
 LENGTH_COLUMN = "length"  # tokens per example, for batching by length without reading every token id
@@ -121,27 +120,7 @@ def collating_workers(requested: int | None, device: torch.device) -> int:
         return requested
     if device.type != "cuda":
         return 0
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(0, min(4, cpus // local_world_size() - 1))
-
-
-def _take_sigterm_from_the_rank_only(rank: int, worker_id: int):
-    """In a collating worker of process `rank`. SLURM and systemd send SIGTERM to every process of a job, collating
-    workers too. torch's workers die of a SIGTERM that their rank did not send, and the rank then fails where its own
-    handler would have saved a checkpoint. So the signal is blocked, and a thread waits for it and ends the worker when
-    the rank sent it (multiprocessing stops a rank's workers so as it exits, and waits for them). The rank's process
-    id is given, not read as the parent's: under forkserver (Python 3.14's default) the parent is the server. Without
-    sigwaitinfo (macOS), torch's handling stays."""
-    if not hasattr(signal, "sigwaitinfo"):
-        return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # for this thread and the threads it starts
-
-    def end_on_the_ranks_sigterm():
-        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank:
-            pass  # the scheduler's: the rank saves a checkpoint, then stops its workers
-        os._exit(0)
-
-    threading.Thread(target=end_on_the_ranks_sigterm, daemon=True).start()
+    return max(0, min(4, len(usable_cpus()) // local_world_size() - 1))
 
 
 def _loader(dataset: Dataset, collator, batch_size: int, sampler, seed: int, num_workers: int,
@@ -156,7 +135,7 @@ def _loader(dataset: Dataset, collator, batch_size: int, sampler, seed: int, num
         generator=torch.Generator().manual_seed(seed),
         pin_memory=torch.cuda.is_available(),  # lets the non-blocking copy to the GPU really overlap
         num_workers=num_workers, persistent_workers=keep_workers and num_workers > 0,
-        worker_init_fn=partial(_take_sigterm_from_the_rank_only, os.getpid()) if num_workers else None,
+        worker_init_fn=partial(take_sigterm_from_the_rank_only, os.getpid()) if num_workers else None,
     )  # fmt: skip
 
 

@@ -28,9 +28,14 @@ LOCAL_WORLD_SIZE_VARIABLES = (
 )
 
 
+def usable_cpus() -> list[int]:
+    """The logical CPUs this process may run on (its affinity: a SLURM job's or taskset's share), or all of them."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def physical_cores() -> int:
     """Physical cores among the CPUs this process may run on (hyper-threads share a core's matmul units)."""
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cpus = usable_cpus()
     cores = set()
     for cpu in cpus:
         topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")

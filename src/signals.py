@@ -1,4 +1,5 @@
-"""Stop signals turned into a checkpoint, and a vote so that every rank stops at the same step.
+"""Stop signals turned into a checkpoint, a vote so that every rank stops at the same step, and collating workers that
+outlive a scheduler's SIGTERM.
 
 SLURM and systemd signal every process of a job at once (and the launcher forwards the signal again), and Ctrl-C
 or a container's stop reaches only the launcher.
@@ -103,3 +104,22 @@ class StopVote:
             return [0] * len(flags)
         previous[1].synchronize()
         return previous[0].tolist()
+
+
+def take_sigterm_from_the_rank_only(rank: int, worker_id: int):
+    """A collating worker's `worker_init_fn` (src/loaders.py), for process `rank`. SLURM and systemd send SIGTERM to
+    every process of a job, collating workers too. torch's workers die of a SIGTERM that their rank did not send, and
+    the rank then fails where its own handler would have saved a checkpoint. So the signal is blocked, and a thread
+    waits for it and ends the worker when the rank sent it (multiprocessing stops a rank's workers so as it exits, and
+    waits for them). The rank's process id is given, not read as the parent's: under forkserver (Python 3.14's default)
+    the parent is the server. Without sigwaitinfo (macOS), torch's handling stays."""
+    if not hasattr(signal, "sigwaitinfo"):
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # for this thread and the threads it starts
+
+    def end_on_the_ranks_sigterm():
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank:
+            pass  # the scheduler's: the rank saves a checkpoint, then stops its workers
+        os._exit(0)
+
+    threading.Thread(target=end_on_the_ranks_sigterm, daemon=True).start()

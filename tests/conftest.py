@@ -276,15 +276,16 @@ def two_rank_run(tmp_path_factory, tiny_model_no_dropout):
     """One 2-process training run (4 rows per rank, dropout 0), shared by the tests that check what 2 ranks do.
 
     Real ranks (not in-process): DDP gradient averaging, sharding, gather_for_metrics, one writer, the early-stop
-    and best-model decisions taken on every rank alike, and the saved weights of a wrapped model. To reproduce it
-    elsewhere: train_args(*run["args"], output_dir, *run["flags"]).
+    and best-model decisions taken on every rank alike, and the saved weights of a wrapped model. Each rank collates
+    in a worker process, as runs on GPUs do by default: the batches each rank sees and evaluates must be the same as
+    collated in the rank. To reproduce it elsewhere: train_args(*run["args"], output_dir, *run["flags"]).
     """
     folder = tmp_path_factory.mktemp("two-ranks")
     train_file = write_rows(folder / "train.csv", sentiment_rows(64, seed=1))
     dev_file = write_rows(folder / "dev.csv", sentiment_rows(21, seed=2))
     args = [str(tiny_model_no_dropout), train_file, dev_file]
     flags = ["--per_device_train_batch_size", "4", *TWO_RANK_FLAGS]
-    result = launch("train.py", train_args(*args, folder / "out", *flags))
+    result = launch("train.py", train_args(*args, folder / "out", *flags, "--dataloader_num_workers", "1"))
     assert result.returncode == 0, result.stderr[-3000:]
     return {"args": args, "flags": flags, "output_dir": folder / "out", "log": result.stdout + result.stderr}
 
@@ -412,7 +413,7 @@ def two_rank_dropout_run(tmp_path_factory, tiny_model):
     dev_file = write_rows(folder / "dev.parquet", score_rows(21, seed=2))
     args = [str(tiny_model), train_file, dev_file]
     flags = ["--per_device_train_batch_size", "4", "--label_column", "score", "--checkpointing_steps", "4"]
-    result = launch("train.py", train_args(*args, folder / "out", *flags))
+    result = launch("train.py", train_args(*args, folder / "out", *flags, "--dataloader_num_workers", "1"))
     assert result.returncode == 0, result.stderr[-3000:]
     return {"args": args, "flags": flags, "output_dir": folder / "out", "log": result.stdout + result.stderr}
 

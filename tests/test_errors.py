@@ -79,7 +79,7 @@ runpy.run_path("train.py", run_name="__main__")
 
 def test_a_crash_with_collating_workers_exits_with_its_traceback(tmp_path, tiny_model, tiny_data):
     """The traceback holds the run's frames, so its DataLoader lives to the end, and multiprocessing stops the workers
-    as the process exits, with SIGTERM, and waits for them: a worker that ignored every SIGTERM (src/loaders.py) kept
+    as the process exits, with SIGTERM, and waits for them: a worker that ignored every SIGTERM (src/signals.py) kept
     the process waiting for ever."""
     args = train_args(tiny_model, *tiny_data, tmp_path / "out", "--dataloader_num_workers", "1")
     result = run_script("-c", CRASHING_STEP, *args)
