@@ -173,14 +173,15 @@ SLURM_LAUNCHER_ENV = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SI
 # end and compared with the uninterrupted one, and extra flags. A checkpoint is the same whichever way the signal came,
 # so two multi-process paths resume (a resume is a launch: ~10 s): accelerate's where one rank alone learnt of the
 # stop, and torchrun's whose launcher was killed; every path checks the step its checkpoint holds. A single process
-# resumes exactly in test_max_time_checkpoints_and_resumes_exactly_in_process. scancel's run collates in workers, as
-# runs on GPUs do by default: the job's SIGTERM reaches them too.
+# resumes exactly in test_max_time_checkpoints_and_resumes_exactly_in_process. Two runs collate in workers, as runs
+# on GPUs do by default, and the signal reaches them too: scancel's SIGTERM, and a SIGINT under torchrun, whose ranks
+# (and so their workers) are each in a session of their own.
 WORKERS = ("--dataloader_num_workers", "1")
 CASES = [
     pytest.param("accelerate", "all", signal.SIGTERM, LAUNCHER_STATUS, {}, False, WORKERS,
                  id="scancel: SIGTERM to every process, collating workers too"),
-    pytest.param("torchrun", "all", signal.SIGINT, LAUNCHER_STATUS, {}, False, (),
-                 id="torchrun, SIGINT to every process"),
+    pytest.param("torchrun", "all", signal.SIGINT, LAUNCHER_STATUS, {}, False, WORKERS,
+                 id="torchrun, SIGINT to every process, collating workers too"),
     pytest.param("accelerate", "launcher", signal.SIGINT, LAUNCHER_STATUS, {}, False, (), id="Ctrl-C at the launcher"),
     pytest.param("torchrun", "launcher", signal.SIGTERM, LAUNCHER_STATUS, {}, False, (),
                  id="docker stop: SIGTERM to torchrun"),
