@@ -17,9 +17,9 @@ GPU's memory in use (nvidia-smi, every 0.2 s) less what was in use before the ru
 context (~0.5 GiB). A final short run with `torch.cuda.set_sync_debug_mode("warn")` counts the places where
 train.py's run makes the host wait for the GPU. Runs that would not end within --budget_s are skipped, and said so.
 
-Two diagnoses of where a step's time goes: first, one BERT-base step (eager, then each layer compiled) queued behind
-a GPU sleep, which gives the GPU's own time for the step; with --profile, the host's Python stacks of the first
-model's runs sampled by py-spy (waiting included) into <run>.folded, one line per stack.
+With --diagnose, two diagnoses of where a step's time goes: first, one BERT-base step (eager, then each layer
+compiled) queued behind a GPU sleep, which gives the GPU's own time for the step; then the host's Python stacks of
+the first model's runs sampled by py-spy (waiting included) into <run>.folded, one line per stack.
 """
 
 import argparse
@@ -64,18 +64,22 @@ TINY = {
 # (run name, model, runner, per-device batch, steps); runner: ours (defaults: on a GPU, collating workers; each layer
 # compiled by accelerate's regional compilation) | in-process (ours collating in the process, --dataloader_num_workers
 # 0: the default before 2026-11-27) | whole (in-process with the whole model compiled, as Trainer's torch_compile=True
-# does) |
-# trainer | lora | fsdp.
+# does) | trainer (its defaults: collating in the process) | trainer-workers (with as many collating workers as ours) |
+# lora | fsdp.
 RUNS = [  # most wanted first: runs that would overrun the budget are the ones skipped
     ("bert-base train.py", "bert-base", "ours", 128, 150),
     ("bert-base Trainer", "bert-base", "trainer", 128, 150),
+    ("bert-base Trainer, 4 collating workers", "bert-base", "trainer-workers", 128, 150),
+    ("minilm train.py", "minilm", "ours", 256, 150),
+    ("minilm Trainer", "minilm", "trainer", 256, 150),
+    ("minilm Trainer, 4 collating workers", "minilm", "trainer-workers", 256, 150),
     ("bert-base train.py, collating in the process", "bert-base", "in-process", 128, 150),
     ("bert-base train.py, whole model compiled", "bert-base", "whole", 128, 150),
     ("llama-1b LoRA train.py", "llama-1b", "lora", 16, 60),
     ("llama-1b full FSDP train.py", "llama-1b", "fsdp", 16, 60),
-    ("minilm train.py", "minilm", "ours", 256, 150),
-    ("minilm Trainer", "minilm", "trainer", 256, 150),
 ]
+RUNNERS = ["ours", "trainer", "trainer-workers", "in-process", "whole", "lora", "fsdp"]
+TRAINER_WORKERS = 4  # what train.py resolves to on a GPU machine with 16 CPUs and one process (src/loaders.py)
 GROUPS = {"minilm": ["minilm"], "bert-base": ["bert-base"], "llama": ["llama-1b"]}
 
 
@@ -84,14 +88,16 @@ def parse_args():
     parser.add_argument("--report_dir", type=Path, default=BENCHMARKS / "results" / "gpu", help="Table, JSON, logs.")
     parser.add_argument("--work_dir", type=Path, default=BENCHMARKS / "results" / "gpu_work", help="Models and data.")
     parser.add_argument("--only", nargs="+", choices=list(GROUPS), default=list(GROUPS), help="Model groups to run.")
+    parser.add_argument("--runners", nargs="+", choices=RUNNERS, default=RUNNERS, help="Runs of these runners.")
     parser.add_argument("--seq_len", type=int, default=128, help="Tokens per row (every row is this long).")
     parser.add_argument("--skip_steps", type=int, default=40, help="Warm-up steps left out of the steady rate.")
     parser.add_argument("--budget_s", type=float, default=450, help="Skip runs that would end after this many s.")
     parser.add_argument("--no_compile", action="store_true", help="Leave torch.compile off for both runners.")
     parser.add_argument("--no_sync_check", action="store_true", help="Skip the host-sync count.")
-    parser.add_argument("--profile", action="store_true",
-                        help="Sample the first model's runs' Python stacks with py-spy (idle included), to "
-                             "<run>.folded: where the host's time goes in a step.")  # fmt: skip
+    parser.add_argument("--diagnose", action="store_true",
+                        help="Before the runs, the GPU's own time for a BERT-base step; during the first "
+                             "model's runs, their Python stacks sampled by py-spy (idle included), to "
+                             "<run>.folded.")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="Toy sizes, few steps, CPU allowed: test the plumbing.")
     parser.add_argument("--sync_check", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -304,8 +310,8 @@ def main():
     device = torch.device("cuda" if gpu else "cpu")
     if not gpu and not args.tiny:
         raise SystemExit("no CUDA GPU: run with --tiny to check the script on the CPU")
-    if args.profile and not shutil.which("py-spy"):
-        raise SystemExit("--profile samples with py-spy, not on the PATH (benchmarks/gpu_prepare.sh fetches it)")
+    if args.diagnose and not shutil.which("py-spy"):
+        raise SystemExit("--diagnose samples with py-spy, not on the PATH (benchmarks/gpu_prepare.sh fetches it)")
     args.report_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(args.work_dir, ignore_errors=True)
     args.work_dir.mkdir(parents=True)
@@ -326,7 +332,7 @@ def main():
     print(f"{device_name}; {', '.join(f'{k} {v}' for k, v in versions.items())}; bf16 matmul {peak / 1e12:.1f} TFLOP/s")
 
     make_tokenizer(args.work_dir / "tokenizer")
-    runs = [run for run in RUNS if any(run[1] in GROUPS[group] for group in args.only)]
+    runs = [run for run in RUNS if any(run[1] in GROUPS[group] for group in args.only) and run[2] in args.runners]
     if args.tiny:
         runs = [(name, model, runner, 4, 6) for name, model, runner, _, _ in runs if runner != "fsdp" or gpu]
     rows = max(batch * steps for _, _, _, batch, steps in runs)
@@ -337,7 +343,7 @@ def main():
     results, log = [], []
     params = {}
     notes = {}
-    if gpu and "bert-base" in [run[1] for run in runs]:
+    if args.diagnose and gpu and "bert-base" in [run[1] for run in runs]:
         params["bert-base"] = make_model("bert-base", args.work_dir / "bert-base", args.tiny, device.type)
         for regional in (False, True):
             key = f"bert-base, the GPU's ms per step {'with each layer compiled' if regional else 'eager'}"
@@ -363,12 +369,13 @@ def main():
         out = args.work_dir / "runs" / name.replace(" ", "_")
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        if runner == "trainer":
+        if runner.startswith("trainer"):
             command = trainer_command(folder, data, batch, steps, out, args, gpu)
+            command += ["--dataloader_num_workers", str(TRAINER_WORKERS)] if runner == "trainer-workers" else []
         else:
             command = ours_command(runner, folder, data, batch, steps, out, args, gpu)
         print(f"[{time.perf_counter() - started:5.0f} s] {name}: {' '.join(command[1:4])} ...", flush=True)
-        if args.profile and model_name == runs[0][1] and runner in ("ours", "trainer", "in-process"):
+        if args.diagnose and model_name == runs[0][1] and runner in ("ours", "trainer", "in-process"):
             folded = args.report_dir / (name.split(",")[0].replace(" ", "_") + f"_{runner}.folded")
             command = ["py-spy", "record", "--idle", "--nonblocking", "--subprocesses", "--rate", "100",
                        "--format", "raw", "--output", str(folded), "--", *command]  # fmt: skip
@@ -387,10 +394,10 @@ def main():
             row["status"] = f"FAILED (exit {code}); see gpu_logs.txt"
             write_report(args, started, device_name, versions, peak, results, log, None, notes)
             continue
-        if runner == "trainer":
+        if runner.startswith("trainer"):
             measured = json.loads((out / "results.json").read_text())
-            tokens_per_row = measured["train_tokens"] / max(1, measured["train_samples"])
-            rate = measured["steady_steps"] * batch * tokens_per_row / measured["steady_seconds"]
+            # Every row is --seq_len tokens long (the peer's own count stays in its workers when it has any).
+            rate = measured["steady_steps"] * batch * args.seq_len / measured["steady_seconds"]
         else:
             rate = steady_rate_ours(out, batch, args.skip_steps)
         flops_per_token = (4 if runner == "lora" else 6) * params[model_name]["non_embedding"]
@@ -417,18 +424,21 @@ def main():
 
 def write_report(args, started, device_name, versions, peak, results, log, sync, notes):
     """The table, JSON and logs so far: written after every run, so a run cut short still reports what it measured."""
-    by_name = {row["run"]: row for row in results}
     compiled = ", torch.compile" if device_name != "CPU" and not args.no_compile else ""
     lines = [f"### GPU benchmark: {device_name}, seq len {args.seq_len}, bf16{compiled}, {time.strftime('%F')}", "",
              f"{', '.join(f'{k} {v}' for k, v in versions.items())}; measured bf16 matmul peak "
              f"{peak / 1e12:,.1f} TFLOP/s", "",
-             "| run | params M | batch x steps | steady tokens/s | MFU | vs Trainer | peak GPU GiB | wall s | status |",
+             "| run | params M | batch x steps | steady tokens/s | MFU | vs faster Trainer | peak GPU GiB | wall s "
+             "| status |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in results:
-        trainer = by_name.get(row["run"].split(" train.py")[0] + " Trainer")
+        model = row["run"].split(" train.py")[0]
+        # Trainer with or without collating workers, whichever was faster.
+        trainers = [other.get("tokens_per_s") or 0 for other in results if other["run"].startswith(f"{model} Trainer")]
+        trainer = max(trainers, default=0)
         versus = ""
-        if "train.py" in row["run"] and trainer and row.get("tokens_per_s") and trainer.get("tokens_per_s"):
-            versus = f"{row['tokens_per_s'] / trainer['tokens_per_s']:.2f}x"
+        if "train.py" in row["run"] and trainer and row.get("tokens_per_s"):
+            versus = f"{row['tokens_per_s'] / trainer:.2f}x"
         cells = [row["run"], f"{row['params_M']:,.0f}" if "params_M" in row else "", f"{row['batch']} x {row['steps']}",
                  f"{row['tokens_per_s']:,.0f}" if row.get("tokens_per_s") else "",
                  f"{row['mfu']:.1%}" if row.get("mfu") else "", versus,

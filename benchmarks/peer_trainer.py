@@ -64,6 +64,9 @@ def main():
     parser.add_argument("--optim", default="adamw_torch", help="Trainer's optimizer, e.g. adamw_torch_fused.")
     parser.add_argument("--max_steps", type=int, default=-1, help="Stop after this many steps (overrides epochs).")
     parser.add_argument("--timing_skip_steps", type=int, help="Also time the steps after the first N (GPU runs).")
+    parser.add_argument(
+        "--dataloader_num_workers", type=int, default=0, help="Trainer's collating worker processes (GPU runs)."
+    )
     args = parser.parse_args()
     model_path = args.model_name_or_path or default_model_path()
     set_seed(args.seed)  # before loading the model: the new classification head is drawn from this seed
@@ -77,6 +80,8 @@ def main():
         torch_compile=args.torch_compile,
         optim=args.optim,
         max_steps=args.max_steps,
+        dataloader_num_workers=args.dataloader_num_workers,
+        dataloader_persistent_workers=args.dataloader_num_workers > 0,
     )
     # One collator for training and evaluation (as Trainer does); its counts are read right after training.
     collator = TokenCountingCollator(DataCollatorWithPadding(tokenizer))

@@ -120,11 +120,12 @@ def test_overhead_counts_each_sample_for_the_innermost_named_step_and_adds_up_to
 def test_gpu_benchmark_runs_end_to_end_on_tiny_models(tmp_path):
     """The GPU benchmark's plumbing on the CPU: model making, both runners, the steady-rate reading, the table."""
     command = [sys.executable, str(REPO / "benchmarks" / "gpu_benchmark.py"), "--tiny", "--only", "minilm",
-               "--report_dir", str(tmp_path / "report"), "--work_dir", str(tmp_path / "work")]  # fmt: skip
+               "--runners", "ours", "trainer-workers", "--report_dir", str(tmp_path / "report"),
+               "--work_dir", str(tmp_path / "work")]  # fmt: skip
     done = run_process(command, 600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = {run["run"]: run for run in json.loads((tmp_path / "report" / "gpu_benchmark.json").read_text())["runs"]}
-    assert set(runs) == {"minilm train.py", "minilm Trainer"}
+    assert set(runs) == {"minilm train.py", "minilm Trainer, 4 collating workers"}
     for run in runs.values():
         assert run["status"] == "ok" and run["tokens_per_s"] > 0 and 0 < run["mfu"] < 1
     sync = json.loads((tmp_path / "report" / "gpu_benchmark.json").read_text())["sync"]
