@@ -5,7 +5,8 @@
 
 Models are random-initialised from their configs (speed does not depend on the weights, and nothing is
 downloaded): a MiniLM-size and a BERT-base-size encoder, each trained by train.py and by Trainer with the same
-GPU settings (bf16, SDPA attention, fused AdamW, torch.compile), and a ~1B Llama-layout classifier trained
+GPU settings (bf16, SDPA attention, fused AdamW, torch.compile), Trainer twice: at its defaults (collating in its
+process) and with as many collating workers as train.py's default; and a ~1B Llama-layout classifier trained
 by train.py with LoRA (`--use_peft`) and in full under accelerate_configs/fsdp.yaml with 1 process. The data
 are rows of random words from a word-level tokenizer made here, each truncated to exactly --seq_len tokens.
 
@@ -69,17 +70,16 @@ TINY = {
 RUNS = [  # most wanted first: runs that would overrun the budget are the ones skipped
     ("bert-base train.py", "bert-base", "ours", 128, 150),
     ("bert-base Trainer", "bert-base", "trainer", 128, 150),
-    ("bert-base Trainer, 4 collating workers", "bert-base", "trainer-workers", 128, 150),
+    ("bert-base Trainer, collating workers", "bert-base", "trainer-workers", 128, 150),
     ("minilm train.py", "minilm", "ours", 256, 150),
     ("minilm Trainer", "minilm", "trainer", 256, 150),
-    ("minilm Trainer, 4 collating workers", "minilm", "trainer-workers", 256, 150),
+    ("minilm Trainer, collating workers", "minilm", "trainer-workers", 256, 150),
     ("bert-base train.py, collating in the process", "bert-base", "in-process", 128, 150),
     ("bert-base train.py, whole model compiled", "bert-base", "whole", 128, 150),
     ("llama-1b LoRA train.py", "llama-1b", "lora", 16, 60),
     ("llama-1b full FSDP train.py", "llama-1b", "fsdp", 16, 60),
 ]
 RUNNERS = ["ours", "trainer", "trainer-workers", "in-process", "whole", "lora", "fsdp"]
-TRAINER_WORKERS = 4  # what train.py resolves to on a GPU machine with 16 CPUs and one process (src/loaders.py)
 GROUPS = {"minilm": ["minilm"], "bert-base": ["bert-base"], "llama": ["llama-1b"]}
 
 
@@ -306,12 +306,21 @@ def main():
     import transformers
     from matmul_peak import measure
 
+    sys.path.append(str(REPO))  # last: the repo's evaluate.py must not hide the library
+    from src.loaders import collating_workers
+
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     if not gpu and not args.tiny:
         raise SystemExit("no CUDA GPU: run with --tiny to check the script on the CPU")
     if args.diagnose and not shutil.which("py-spy"):
         raise SystemExit("--diagnose samples with py-spy, not on the PATH (benchmarks/gpu_prepare.sh fetches it)")
+    runs = [run for run in RUNS if any(run[1] in GROUPS[group] for group in args.only) and run[2] in args.runners]
+    if args.tiny:
+        runs = [(name, model, runner, 4, 6) for name, model, runner, _, _ in runs if runner != "fsdp" or gpu]
+    if not runs:
+        fsdp = " (FSDP runs need a GPU)" if "fsdp" in args.runners and not gpu else ""
+        raise SystemExit(f"no run of {' '.join(args.runners)} on {' '.join(args.only)}{fsdp}: see RUNS")
     args.report_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(args.work_dir, ignore_errors=True)
     args.work_dir.mkdir(parents=True)
@@ -332,9 +341,6 @@ def main():
     print(f"{device_name}; {', '.join(f'{k} {v}' for k, v in versions.items())}; bf16 matmul {peak / 1e12:.1f} TFLOP/s")
 
     make_tokenizer(args.work_dir / "tokenizer")
-    runs = [run for run in RUNS if any(run[1] in GROUPS[group] for group in args.only) and run[2] in args.runners]
-    if args.tiny:
-        runs = [(name, model, runner, 4, 6) for name, model, runner, _, _ in runs if runner != "fsdp" or gpu]
     rows = max(batch * steps for _, _, _, batch, steps in runs)
     data = {"train": args.work_dir / "train.tsv", "validation": args.work_dir / "validation.tsv"}
     write_rows(data["train"], rows, args.seq_len + 2, seed=0)  # + 2: longer than the limit with [CLS]/[SEP]
@@ -351,7 +357,6 @@ def main():
                 notes[key] = gpu_ms_per_step(args.work_dir / "bert-base", 128, args.seq_len, regional)
             except Exception as err:  # a diagnosis: the runs go on without it
                 notes[key] = f"failed: {err!r}"[:300]
-            print(f"[{time.perf_counter() - started:5.0f} s] {key}: {notes[key]}", flush=True)
             torch.cuda.empty_cache()  # the runs' peak memory is read off the whole GPU
             print(f"[{time.perf_counter() - started:5.0f} s] {key}: {notes[key]}", flush=True)
     for name, model_name, runner, batch, steps in runs:
@@ -371,11 +376,17 @@ def main():
         out.mkdir(parents=True)
         if runner.startswith("trainer"):
             command = trainer_command(folder, data, batch, steps, out, args, gpu)
-            command += ["--dataloader_num_workers", str(TRAINER_WORKERS)] if runner == "trainer-workers" else []
+            if runner == "trainer-workers":  # as many as train.py collates in by default on a GPU of this host
+                row["collating_workers"] = collating_workers(None, torch.device("cuda"))
+                command += ["--dataloader_num_workers", str(row["collating_workers"])]
         else:
             command = ours_command(runner, folder, data, batch, steps, out, args, gpu)
         print(f"[{time.perf_counter() - started:5.0f} s] {name}: {' '.join(command[1:4])} ...", flush=True)
-        if args.diagnose and model_name == runs[0][1] and runner in ("ours", "trainer", "in-process"):
+        if (
+            args.diagnose
+            and model_name == runs[0][1]
+            and runner in ("ours", "trainer", "trainer-workers", "in-process")
+        ):
             folded = args.report_dir / (name.split(",")[0].replace(" ", "_") + f"_{runner}.folded")
             command = ["py-spy", "record", "--idle", "--nonblocking", "--subprocesses", "--rate", "100",
                        "--format", "raw", "--output", str(folded), "--", *command]  # fmt: skip
@@ -428,20 +439,19 @@ def write_report(args, started, device_name, versions, peak, results, log, sync,
     lines = [f"### GPU benchmark: {device_name}, seq len {args.seq_len}, bf16{compiled}, {time.strftime('%F')}", "",
              f"{', '.join(f'{k} {v}' for k, v in versions.items())}; measured bf16 matmul peak "
              f"{peak / 1e12:,.1f} TFLOP/s", "",
-             "| run | params M | batch x steps | steady tokens/s | MFU | vs faster Trainer | peak GPU GiB | wall s "
-             "| status |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| run | params M | batch x steps | steady tokens/s | MFU | vs Trainer | vs Trainer, workers "
+             "| peak GPU GiB | wall s | status |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rates = {row["run"]: row.get("tokens_per_s") for row in results}
     for row in results:
         model = row["run"].split(" train.py")[0]
-        # Trainer with or without collating workers, whichever was faster.
-        trainers = [other.get("tokens_per_s") or 0 for other in results if other["run"].startswith(f"{model} Trainer")]
-        trainer = max(trainers, default=0)
-        versus = ""
-        if "train.py" in row["run"] and trainer and row.get("tokens_per_s"):
-            versus = f"{row['tokens_per_s'] / trainer:.2f}x"
+        versus = ["", ""]  # against Trainer at its defaults, and with collating workers (a run that failed: blank)
+        for i, trainer in enumerate((f"{model} Trainer", f"{model} Trainer, collating workers")):
+            if "train.py" in row["run"] and row.get("tokens_per_s") and rates.get(trainer):
+                versus[i] = f"{row['tokens_per_s'] / rates[trainer]:.2f}x"
         cells = [row["run"], f"{row['params_M']:,.0f}" if "params_M" in row else "", f"{row['batch']} x {row['steps']}",
                  f"{row['tokens_per_s']:,.0f}" if row.get("tokens_per_s") else "",
-                 f"{row['mfu']:.1%}" if row.get("mfu") else "", versus,
+                 f"{row['mfu']:.1%}" if row.get("mfu") else "", *versus,
                  f"{row['peak_memory_GiB']:.1f}" if row.get("peak_memory_GiB") else "",
                  f"{row['wall_s']:.0f}" if "wall_s" in row else "", row["status"]]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")

@@ -2,7 +2,7 @@
 # Wheels for a GPU machine without internet whose image lacks `datasets` and `evaluate` (see benchmarks/README.md).
 # Fills .whl/ (git-ignored) with them, the two packages of theirs such images lack (dill, multiprocess), TRL (the
 # causal-LM peer of sft_peer.py), peft at the version the project is tested with, and py-spy (gpu_benchmark.py
-# --profile), ~5.5 MB.
+# --diagnose), ~5.5 MB.
 # Install them into a folder whose path holds `site-packages` (benchmarks/README.md says why).
 set -euo pipefail
 cd "$(dirname "$0")/.."

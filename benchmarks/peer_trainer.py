@@ -65,7 +65,7 @@ def main():
     parser.add_argument("--max_steps", type=int, default=-1, help="Stop after this many steps (overrides epochs).")
     parser.add_argument("--timing_skip_steps", type=int, help="Also time the steps after the first N (GPU runs).")
     parser.add_argument(
-        "--dataloader_num_workers", type=int, default=0, help="Trainer's collating worker processes (GPU runs)."
+        "--dataloader_num_workers", type=int, default=0, help="Trainer's collating worker processes (counts: none)."
     )
     args = parser.parse_args()
     model_path = args.model_name_or_path or default_model_path()
@@ -99,7 +99,8 @@ def main():
         trainer.add_callback(timer)
     # Trainer's train_runtime starts after the model and loader are prepared: the training loop itself.
     train_metrics = trainer.train().metrics
-    counts = collator.counts()
+    # With workers, each counts in its own copy of the collator, and the counts stay there.
+    counts = collator.counts() if not args.dataloader_num_workers else {}
     eval_metrics = trainer.evaluate()
     if args.output_dir:
         trainer.save_model(str(args.output_dir))  # model and tokenizer, as train.py leaves them

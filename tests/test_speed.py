@@ -125,7 +125,7 @@ def test_gpu_benchmark_runs_end_to_end_on_tiny_models(tmp_path):
     done = run_process(command, 600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = {run["run"]: run for run in json.loads((tmp_path / "report" / "gpu_benchmark.json").read_text())["runs"]}
-    assert set(runs) == {"minilm train.py", "minilm Trainer, 4 collating workers"}
+    assert set(runs) == {"minilm train.py", "minilm Trainer, collating workers"}
     for run in runs.values():
         assert run["status"] == "ok" and run["tokens_per_s"] > 0 and 0 < run["mfu"] < 1
     sync = json.loads((tmp_path / "report" / "gpu_benchmark.json").read_text())["sync"]
