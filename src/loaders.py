@@ -12,7 +12,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorForTokenClassification, DataCollatorWithPadding
 
-from src.runtime import local_world_size, usable_cpus
+from src.runtime import local_world_size, usable_cpu_count
 from src.signals import take_sigterm_from_the_rank_only
 
 INDEX_COLUMN = "example_index"  # position in the evaluated data, so results can be put back in order
@@ -112,15 +112,16 @@ class PaddingColumnToo:
 
 def collating_workers(requested: int | None, device: torch.device) -> int:
     """--dataloader_num_workers, else the default: on a CUDA GPU, up to 4 per process from the CPUs the machine's
-    processes share, one of each process's left to the process itself. Collating in the process, the host builds each
-    batch while the GPU waits: transformers' attention-mask check (`mask.all()`) makes the host wait for the GPU at
-    every forward pass, so collation cannot overlap the step before (BERT-base, batch 128 x 128 tokens, one H200: 260k
-    tokens/s collating in the process, 460k with 4 workers). Without a GPU the cores compute: 0."""
+    processes share (their affinity, within a container's CPU limit), one of each process's left to the process.
+    Collating in the process, the host builds each batch while the GPU waits: transformers' attention-mask check
+    (`mask.all()`) makes the host wait for the GPU at every forward pass, so collation cannot overlap the step before
+    (BERT-base, batch 128 x 128 tokens, one H200: 260k tokens/s collating in the process, 460k with 4 workers).
+    Without a GPU the cores compute: 0."""
     if requested is not None:
         return requested
     if device.type != "cuda":
         return 0
-    return max(0, min(4, len(usable_cpus()) // local_world_size() - 1))
+    return max(0, min(4, usable_cpu_count() // local_world_size() - 1))
 
 
 def _loader(dataset: Dataset, collator, batch_size: int, sampler, seed: int, num_workers: int,

@@ -33,8 +33,37 @@ def usable_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
+# A container's CPU limit (Kubernetes' `limits.cpu`, `docker run --cpus`) as its cgroup shows it: version 2 in one
+# file ("400000 100000": 4 CPUs' time per period; "max ...": none), version 1 in two (a quota of -1: none).
+CGROUP_V2_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
+
+
+def cpu_limit() -> int | None:
+    """How many CPUs' time a container's CPU limit allows (rounded down, at least 1), None without a limit. Affinity
+    does not show it: a pod limited to 4 CPUs on a 64-core host sees 64 CPUs, and 64 threads there are throttled to
+    4 CPUs' time, each waiting for the others at every operation."""
+    try:
+        quota, period = CGROUP_V2_CPU_MAX.read_text().split()
+    except (OSError, ValueError):
+        try:
+            quota, period = ((CGROUP_V1_CPU / f"cpu.cfs_{name}_us").read_text().strip() for name in ("quota", "period"))
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    return max(1, int(quota) // int(period))
+
+
+def usable_cpu_count() -> int:
+    """The logical CPUs this process may keep busy: its affinity's, no more than a container's CPU limit."""
+    cpus, limit = len(usable_cpus()), cpu_limit()
+    return min(cpus, limit) if limit else cpus
+
+
 def physical_cores() -> int:
-    """Physical cores among the CPUs this process may run on (hyper-threads share a core's matmul units)."""
+    """Physical cores among the CPUs this process may run on (hyper-threads share a core's matmul units), no more
+    than a container's CPU limit."""
     cpus = usable_cpus()
     cores = set()
     for cpu in cpus:
@@ -42,8 +71,9 @@ def physical_cores() -> int:
         try:
             cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
         except OSError:  # no sysfs (macOS, some containers): count logical CPUs
-            return len(cpus)
-    return max(1, len(cores))
+            cores = cpus
+            break
+    return max(1, min(len(cores), cpu_limit() or len(cores)))
 
 
 def under_launcher() -> bool:

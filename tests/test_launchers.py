@@ -13,6 +13,7 @@ from accelerate import debug_launcher, notebook_launcher
 from conftest import CPU_CONFIG, REPO, free_port, run_process, sentiment_rows, train_args, write_rows
 
 import src.runtime
+from src.loaders import collating_workers
 from src.runtime import make_accelerator, set_cpu_threads
 
 # Each process is told the machine has 8 physical cores: on a 2-core machine a share of 1 thread could not
@@ -86,6 +87,34 @@ def test_the_cpu_threads_flag_wins_over_everything(monkeypatch):
         assert set_cpu_threads(None) == 5, "an exported value without a launcher is the user's"
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    "files, limit",
+    [
+        ({"cpu.max": "400000 100000\n"}, 4),  # cgroup v2: docker run --cpus 4, Kubernetes limits.cpu: 4
+        ({"cpu.max": "250000 100000\n"}, 2),  # 2.5 CPUs' time: 2 threads are never throttled
+        ({"cpu.max": "50000 100000\n"}, 1),
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3),  # cgroup v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),  # no cgroup files (macOS)
+    ],
+)
+def test_a_containers_cpu_limit_caps_the_threads_and_workers(tmp_path, monkeypatch, files, limit):
+    """A container limited to a few CPUs' time on a large host sees all the host's CPUs in its affinity: its threads
+    and collating workers are counted from the limit, or they would be throttled to it, each waiting for the others."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(src.runtime, "CGROUP_V2_CPU_MAX", tmp_path / "cpu.max")
+    monkeypatch.setattr(src.runtime, "CGROUP_V1_CPU", tmp_path / "cpu")
+    monkeypatch.setattr(src.runtime, "usable_cpus", lambda: list(range(64)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert src.runtime.cpu_limit() == limit
+    assert src.runtime.usable_cpu_count() == (limit or 64)
+    assert src.runtime.physical_cores() <= (limit or 64)
+    assert collating_workers(None, torch.device("cuda", 0)) == min(4, (limit or 64) - 1)
 
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="the processes of a machine with a GPU use the GPU")

@@ -62,7 +62,7 @@ def test_collating_workers_default_to_a_share_of_the_cpus_on_gpus_and_to_none_wi
     to it); elsewhere the CPUs compute, so the process collates; a number given is kept."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert collating_workers(None, cpu) == 0 and collating_workers(3, cpu) == 3
-    monkeypatch.setattr(src.loaders, "usable_cpus", lambda: list(range(16)))
+    monkeypatch.setattr(src.loaders, "usable_cpu_count", lambda: 16)
     expected = {1: 4, 4: 3, 8: 1, 16: 0}  # processes on the machine: workers each
     for processes, workers in expected.items():
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
