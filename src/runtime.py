@@ -50,9 +50,10 @@ def cpu_limit() -> int | None:
             quota, period = ((CGROUP_V1_CPU / f"cpu.cfs_{name}_us").read_text().strip() for name in ("quota", "period"))
         except OSError:
             return None
-    if quota in ("max", "-1"):
+    try:
+        return max(1, int(quota) // int(period)) if quota not in ("max", "-1") else None
+    except (ValueError, ZeroDivisionError):  # a file this does not know how to read: no limit, as before it was read
         return None
-    return max(1, int(quota) // int(period))
 
 
 def usable_cpu_count() -> int:
@@ -138,10 +139,11 @@ def make_accelerator(args, saved_precision: str | None, find_unused_parameters: 
     if not on_cpu:  # TF32: what stays fp32 runs on tensor cores too, in evaluate.py as in training's evaluations
         torch.set_float32_matmul_precision("high")
     threads = set_cpu_threads(args.cpu_threads) if on_cpu else torch.get_num_threads()
-    if on_cpu and local_world_size() > physical_cores():  # a GPU config (multi_gpu.yaml's 8) on a machine without GPUs
+    cores = physical_cores() if on_cpu else None  # reads sysfs for every CPU: once
+    if on_cpu and local_world_size() > cores:  # a GPU config (multi_gpu.yaml's 8) on a machine without GPUs
         get_logger(__name__).warning(
-            f"{local_world_size()} processes share this machine's {physical_cores()} CPU cores (it has no GPU): they "
-            f"wait for each other; launch at most --num_processes {physical_cores()} (with --config_file "
+            f"{local_world_size()} processes share this machine's {cores} CPU cores (it has no GPU): they "
+            f"wait for each other; launch at most --num_processes {cores} (with --config_file "
             "accelerate_configs/cpu.yaml, whose threads are set for CPUs)"
         )
     precision, reason = choose_precision(args.mixed_precision, on_cpu, saved_precision)

@@ -99,6 +99,8 @@ def test_the_cpu_threads_flag_wins_over_everything(monkeypatch):
         ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3),  # cgroup v1
         ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
         ({}, None),  # no cgroup files (macOS)
+        ({"cpu.max": "a b\n"}, None),  # a file it cannot read: no limit, rather than a failed start
+        ({"cpu.max": "100000 0\n"}, None),
     ],
 )
 def test_a_containers_cpu_limit_caps_the_threads_and_workers(tmp_path, monkeypatch, files, limit):
