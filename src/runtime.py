@@ -4,7 +4,9 @@ drops at its end), and a refusal of FSDP where it cannot shard.
 `accelerate launch` and torchrun set OMP_NUM_THREADS=1, which would leave a CPU run on one core per process.
 """
 
+import gc
 import os
+import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -166,7 +168,7 @@ def accelerate_state_of_this_run():
     group) is dropped when main() returns, stops or fails, so that a later run in the same notebook kernel or script,
     in any precision, starts as in a new process. A caller's own state stays: its Accelerator's whole, or the
     PartialState of a notebook_launcher function (the run's precision is dropped from it all the same). So does the
-    caller's float32 matmul precision, which a run on a GPU sets to TF32."""
+    caller's float32 matmul precision, which a run on a GPU sets to TF32. What a failed run held is let go with it."""
     from accelerate.state import AcceleratorState, GradientState
 
     callers_partial_state, callers_accelerator = bool(PartialState._shared_state), bool(AcceleratorState._shared_state)
@@ -176,11 +178,16 @@ def accelerate_state_of_this_run():
         matmul_precision = None
     try:
         yield
-    except BaseException:
+    except BaseException as err:
         # A failed run's process group, left to the interpreter's exit, has gloo's threads torn down in no set order,
         # and a rank may abort (SIGABRT) instead of exiting with its status; end_training() ends it when a run ends.
         if not callers_partial_state and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        # A notebook keeps the traceback, and with it the failed run's variables: the model and optimizer (GPU memory
+        # the next try needs) and persistent collating workers. The lines stay, the variables go, and at once: they
+        # hold reference cycles, and GPU memory running short triggers no garbage collection.
+        traceback.clear_frames(err.__traceback__)
+        gc.collect()
         raise
     finally:
         if matmul_precision is not None:

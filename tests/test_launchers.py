@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -41,27 +42,45 @@ def launcher(kind: str) -> list[str]:
     }[kind]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "kind,exported,expected",
-    [
-        ("python", None, [CORES]),
-        ("accelerate", None, [CORES]),  # the launcher wrote OMP_NUM_THREADS=1
-        ("accelerate cpu.yaml", None, [SHARE, SHARE]),
-        ("torchrun", None, [SHARE, SHARE]),
-        ("accelerate", "1", [1]),  # the user's 1, exported before launching
-        ("torchrun", "1", [1, 1]),
-        ("accelerate cpu.yaml", "3", [3, 3]),
-    ],
-)
-def test_threads_per_process_under_each_launcher(tmp_path, kind, exported, expected):
-    probe = tmp_path / "probe.py"
-    probe.write_text(PROBE)
+# launcher, OMP_NUM_THREADS exported before it (None: none), the threads each process takes.
+THREAD_CASES = [
+    ("python", None, [CORES]),
+    ("accelerate", None, [CORES]),  # the launcher wrote OMP_NUM_THREADS=1
+    ("accelerate cpu.yaml", None, [SHARE, SHARE]),
+    ("torchrun", None, [SHARE, SHARE]),
+    ("accelerate", "1", [1]),  # the user's 1, exported before launching
+    ("torchrun", "1", [1, 1]),
+    ("accelerate cpu.yaml", "3", [3, 3]),
+]
+
+
+def probe_threads(folder, kind, exported):
+    """The threads each process of a launch under `kind` took, or the launch's error output."""
+    folder.mkdir()
+    (folder / "probe.py").write_text(PROBE)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if exported:
         env["OMP_NUM_THREADS"] = exported
-    result = run_process([*launcher(kind), str(probe)], 120, cwd=tmp_path, env=env)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank-*.json"))] == expected
+    result = run_process([*launcher(kind), str(folder / "probe.py")], 120, cwd=folder, env=env)
+    if result.returncode != 0:
+        return result.stderr[-2000:]
+    return [json.loads(path.read_text()) for path in sorted(folder.glob("rank-*.json"))]
+
+
+@pytest.fixture(scope="module")
+def launched_threads(tmp_path_factory):
+    """Every case's launch, two at a time: a launch is mostly a single-threaded import of torch, so two share the
+    2 cores of a CI machine, and the seven take ~12 s instead of ~21 s."""
+    root = tmp_path_factory.mktemp("threads")
+    folders = [root / str(index) for index in range(len(THREAD_CASES))]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        reports = pool.map(lambda case, folder: probe_threads(folder, *case[:2]), THREAD_CASES, folders)
+        return {(kind, exported): report for (kind, exported, _), report in zip(THREAD_CASES, reports)}
+
+
+@pytest.mark.parametrize("kind,exported,expected", THREAD_CASES)
+def test_threads_per_process_under_each_launcher(launched_threads, kind, exported, expected):
+    assert launched_threads[kind, exported] == expected
 
 
 def record_threads(folder):

@@ -246,6 +246,37 @@ def test_a_failed_run_leaves_no_accelerate_state_behind(tiny_model, trained_tiny
     assert not PartialState._shared_state, "evaluate.py's failed run left Accelerate's state"
 
 
+def test_a_failed_run_lets_go_of_its_model_and_collating_workers(tiny_model, tmp_path, monkeypatch):
+    """A notebook keeps the traceback of a run that failed (IPython's sys.last_traceback), and with it every frame's
+    variables: the model and optimizer (GPU memory that the next try needs) and a persistent collating worker. They
+    must go when the run fails, as they do when it ends, and without waiting for a garbage collection."""
+    import weakref
+
+    import psutil
+
+    import src.model
+
+    models = []
+
+    def prepared(*args):
+        models.append(weakref.ref(model := src.model.prepare_for_training(*args)))
+        return model
+
+    def failing_evaluation(*args):
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(train, "prepare_for_training", prepared)
+    monkeypatch.setattr(train, "evaluate", failing_evaluation)
+    data = write_rows(tmp_path / "train.csv", sentiment_rows(16))
+    with pytest.raises(RuntimeError, match="evaluation failed") as failure:
+        run_train("--model_name_or_path", tiny_model, "--train_file", data, "--validation_file", data,
+                  "--eval_steps", "1", "--dataloader_num_workers", "1", "--output_dir", tmp_path / "out",
+                  "--report_to", "none")  # fmt: skip
+    assert failure.value.__traceback__ is not None, "the traceback is kept, as a notebook keeps it"
+    assert models and models[0]() is None, "the failed run's model is still alive"
+    assert not psutil.Process().children(recursive=True), "the failed run's collating worker is still running"
+
+
 def test_evaluating_data_without_the_label_column_says_so(trained_tiny_model, tmp_path, caplog):
     """A label column of another name than in training: predictions only, and a warning that names the fix."""
     rows = [{"sentence": r["sentence"], "sentiment": r["label"]} for r in sentiment_rows(5, seed=2)]
