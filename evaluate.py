@@ -32,7 +32,7 @@ from src.glue import glue_labels
 from src.loaders import build_eval_dataloader, collating_workers, padding_options
 from src.model import prepare_for_evaluation, resolve_max_length
 from src.record import DEFAULT_TASK, RECORD_FILE, read_record
-from src.reporting import setup_logging, write_json
+from src.reporting import metrics_line, setup_logging, write_json
 from src.runtime import accelerate_state_of_this_run, make_accelerator, refuse_fsdp_without_gpus
 from src.tasks import task_class, task_of_model
 
@@ -51,7 +51,7 @@ def parse_eval_args(argv=None):
     if not args.model_name_or_path:
         parser.error("--model_name_or_path is required: a train.py output folder")
     if bool(args.validation_file) == bool(args.dataset_name):
-        parser.error("give exactly one of --validation_file or --dataset_name")
+        parser.error(f"give exactly one of --validation_file or --dataset_name{_data_of_the_run(args)}")
     model = Path(args.model_name_or_path)
     if (model / STATE_FILE).is_file():  # accelerate's state, without the config that from_pretrained reads
         parser.error(f"--model_name_or_path {model} is a checkpoint, for train.py --resume_from_checkpoint; evaluate "
@@ -63,6 +63,21 @@ def parse_eval_args(argv=None):
     if args.output_dir is None and not model.is_dir():
         parser.error(f"--model_name_or_path {model} is no local folder (a Hub model needs --output_dir for results)")
     return Flags(vars(args))
+
+
+def _data_of_the_run(args) -> str:
+    """What the run of the model folder was evaluated on, as flags to copy. Not a default: a path in args.json may
+    name another file here (or none), and the evaluation would then score other data without a word."""
+    try:
+        record = read_record(args.model_name_or_path) if args.model_name_or_path else {}
+    except UserError:
+        return ""
+    if record.get("validation_file"):
+        return f" (its run's: --validation_file {record['validation_file']})"
+    if record.get("dataset_name"):
+        config = f" --dataset_config_name {record['dataset_config_name']}" if record.get("dataset_config_name") else ""
+        return f" (its run's: --dataset_name {record['dataset_name']}{config})"
+    return ""
 
 
 def load_split(args, keep_linebreaks: bool = True) -> Dataset:
@@ -173,8 +188,7 @@ def write_results(output_dir: Path, metrics: dict, columns: dict, task, data, ge
         writer.writerows(zip(*rows.values()))
     pictures = [] if columns is None else task.write_pictures(columns, output_dir)
     written = ["eval_results.json", "predictions.csv", *pictures]
-    summary = ", ".join(f"{k} = {v:.4f}" for k, v in metrics.items() if k != "eval_samples")
-    logger.info(f"{summary or 'No metrics'}\nWrote {', '.join(written)} to {output_dir.resolve()}")
+    logger.info(f"{metrics_line(metrics) or 'No metrics'}\nWrote {', '.join(written)} to {output_dir.resolve()}")
 
 
 def _with_answers(rows: dict, generations: list[str]) -> dict:

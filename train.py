@@ -51,12 +51,20 @@ from src.errors import UserError, errors_reach_every_rank, main_process_first, r
 from src.evaluation import evaluate, evaluate_more
 from src.hub import check_hub_access, push_to_hub, upload_command
 from src.loaders import build_eval_dataloader, build_train_dataloader, collating_workers, padding_options
-from src.model import prepare_for_training, resolve_max_length
+from src.model import prepare_for_training, readable_as_its_other_files, resolve_max_length
 from src.model_card import write_model_card
 from src.optimizer import build_optimizer, build_scheduler, count_parameters, use_sharded_parameters
 from src.plan import BatchSizes, Plan, learning_rate, make_plan
 from src.record import run_record
-from src.reporting import append_jsonl, keep_records_up_to, read_jsonl, setup_logging, tracker_project, write_json
+from src.reporting import (
+    append_jsonl,
+    keep_records_up_to,
+    metrics_line,
+    read_jsonl,
+    setup_logging,
+    tracker_project,
+    write_json,
+)
 from src.runtime import accelerate_state_of_this_run, make_accelerator, refuse_fsdp_without_gpus
 from src.signals import StopSignals, StopVote
 from src.state import TrainState
@@ -83,7 +91,7 @@ def build_accelerator(args, resume_path) -> tuple[Accelerator, str, int]:
         step_scheduler_with_optimizer=False,  # the scheduler counts optimizer updates; see train_step
         # Batches are copied to the GPU without making the host wait for the step in flight.
         dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu),
-        log_with=None if args.report_to == "none" else args.report_to,
+        log_with=None if args.report_to == "none" else args.report_to.split(","),
         project_config=ProjectConfiguration(project_dir=str(args.output_dir), save_on_each_node=args.save_on_each_node),
     )
 
@@ -272,8 +280,7 @@ def train(args) -> dict:
         if stop_status is not None:
             raise SystemExit(stop_status)  # stopped by a signal or --max_time, with a checkpoint to resume from
         push_to_hub(args, accelerator, hub_target)  # outside StopSignals: Ctrl-C may interrupt a slow upload
-    summary = ", ".join(f"{k} = {v:.4f}" for k, v in eval_metrics.items() if k != "eval_samples")
-    logger.info(f"Done in {results['train_runtime']:.0f}s: {summary}")
+    logger.info(f"Done in {results['train_runtime']:.0f}s: {metrics_line(eval_metrics)}")
     written = "Model, model card (README.md), all_results.json, metrics.jsonl and training_curves.png"
     logger.info(f"{written} are in {args.output_dir.resolve()}")
     return results
@@ -443,7 +450,7 @@ def evaluate_and_keep_best(run: Run) -> bool:
     with run.window.paused():  # throughput counts training time only
         run.eval_metrics, _ = evaluate(run.model, run.eval_dataloader, run.accelerator, run.task)
     log(run, run.eval_metrics)
-    logger.info(f"step {state.global_step}: " + ", ".join(f"{k} = {v:.4f}" for k, v in run.eval_metrics.items()))
+    logger.info(f"step {state.global_step}: {metrics_line(run.eval_metrics, leave_out=())}")
     if f"eval_{plan.metric_for_best_model}" not in run.eval_metrics:  # a task author's slip, caught at its first use
         returned = [key.removeprefix("eval_") for key in run.eval_metrics if key not in ("eval_samples", "eval_loss")]
         raise UserError(f"{type(run.task).__name__}.metric_names() lists {plan.metric_for_best_model!r} and its "
@@ -543,6 +550,7 @@ def save_final(run: Run, tokenizer, results: dict):
     output_dir = run.args.output_dir
     run.task.save_model(run.accelerator, run.model, output_dir, run.args)
     if run.accelerator.is_main_process:
+        readable_as_its_other_files(output_dir)
         tokenizer.save_pretrained(output_dir)
         write_json(output_dir / "all_results.json", results)
         write_model_card(output_dir, run.record, results, run.task)

@@ -53,6 +53,17 @@ UPSTREAM_FLAGS = {
     "--torch_dtype": "--mixed_precision bf16 (fp32 weights, computed in bf16)",
     "--dtype": "--mixed_precision bf16 (fp32 weights, computed in bf16)",
     "--padding_free": "--packing",
+    "--torch_compile": "accelerate launch --dynamo_backend inductor train.py (the launcher compiles: docs/speed.md)",
+    "--attn_implementation": "nothing (transformers' default, SDPA where the model has it)",
+    "--load_in_4bit": "nothing (no quantized base: --use_peft with --mixed_precision bf16 keeps it in its bf16)",
+    "--load_in_8bit": "nothing (no quantized base: --use_peft with --mixed_precision bf16 keeps it in its bf16)",
+    "--lora_modules_to_save": "nothing (the task's new head trains in full beside the adapters)",
+    "--use_rslora": "nothing (plain LoRA; its configuration: src/lora.py)",
+    "--use_dora": "nothing (plain LoRA; its configuration: src/lora.py)",
+    # evaluate.py's, under generate()'s and run_*'s names:
+    "--max_new_tokens": "--generation_max_length N",
+    "--num_beams": "--generation_num_beams N",
+    "--test_file": "evaluate.py --validation_file FILE (any split's file; train.py evaluates its validation data)",
     "--run_name": "--output_dir (trackers other than TensorBoard name the run after its folder)",
     # A launcher's flags, and the keys of an accelerate config file passed as --config:
     "--num_processes": "accelerate launch --num_processes N train.py (the launcher's flags go before the script)",
@@ -229,6 +240,19 @@ def _add_config_argument(parser):
     )
 
 
+def _epochs(text):
+    """A positive whole number of epochs; Trainer's and TRL's float spelling of one (`3.0`) is read as it."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if not value.is_integer() or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive whole number, got {text} (part of an epoch: --max_train_steps N)"
+        )
+    return int(value)
+
+
 def _steps_or_epoch(text):
     if text == "epoch":
         return text
@@ -386,7 +410,12 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     )
     data.add_argument("--validation_file", type=_path, help="Validation data, same formats as --train_file.")
     _add_data_arguments(data, "the validation split")
-    data.add_argument("--max_train_samples", type=_positive_int, help="Keep only the first N training rows.")
+    data.add_argument(
+        "--max_train_samples",
+        type=_positive_int,
+        help="Keep only the first N training rows (of a text file: lines, before they are cut into blocks; run_clm.py "
+        "counts blocks).",
+    )
     data.add_argument(
         "--validation_split_percentage",
         type=_positive_int,
@@ -421,7 +450,7 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     train.add_argument("--output_dir", type=_path, default=Path("outputs/run"), help="Where everything is written.")
     train.add_argument(
         "--num_train_epochs",
-        type=_positive_int,
+        type=_epochs,
         help="Passes over the training data. Default: 3, or 1 for the built-in demo (it is learnt within one).",
     )
     train.add_argument("--max_train_steps", type=_positive_int, help="Total optimizer steps; overrides the epochs.")
@@ -546,9 +575,12 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     )
     logging.add_argument(
         "--report_to",
+        nargs="+",
         choices=TRACKERS,
         default="tensorboard",
-        help="Experiment tracker; all: every installed one that accelerate supports.",
+        metavar="TRACKER",
+        help=f"Experiment trackers ({', '.join(TRACKERS)}), space-separated as Trainer takes them; all: every "
+        "installed one that accelerate supports.",
     )
     logging.add_argument(
         "--with_tracking",
@@ -889,9 +921,15 @@ def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> arg
         )
     if not args.lora_target_modules.replace(",", "").strip():
         parser.error("--lora_target_modules needs module names (e.g. q_proj,v_proj) or all-linear")
-    if args.report_to not in ("tensorboard", "all", "none") and importlib.util.find_spec(args.report_to) is None:
-        package = args.report_to.replace("_", "-")
-        parser.error(f"--report_to {args.report_to}: the package is not installed; `pip install {package}`")
+    if isinstance(args.report_to, list):  # one text, "tensorboard,wandb", as args.json has always held one tracker
+        if len(args.report_to) > 1 and {"all", "none"} & set(args.report_to):
+            parser.error(f"--report_to {' '.join(args.report_to)}: all and none stand alone")
+        args.report_to = ",".join(dict.fromkeys(args.report_to))
+    for tracker in args.report_to.split(","):
+        if tracker not in ("tensorboard", "all", "none") and importlib.util.find_spec(tracker) is None:
+            parser.error(
+                f"--report_to {tracker}: the package is not installed; `pip install {tracker.replace('_', '-')}`"
+            )
     if args.with_tracking and args.report_to == "none":
         parser.error("--with_tracking asks for a tracker and --report_to none for none: choose one")
     if args.use_slow_tokenizer:

@@ -66,10 +66,11 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume_from: Path | None
             "or an empty one"
         )
     if earlier:
+        # A finished run that kept no checkpoint cannot be continued: only the choices that work are offered.
+        resume = "--resume_from_checkpoint latest to continue it, " if earlier[0] != RESULTS_FILE else ""
         raise UserError(
-            f"--output_dir {output_dir} already holds a run ({', '.join(earlier[-3:])}); pass "
-            "--resume_from_checkpoint latest to continue it, --overwrite_output_dir to start afresh there, "
-            "or choose another --output_dir"
+            f"--output_dir {output_dir} already holds a run ({', '.join(earlier[-3:])}); pass {resume}"
+            "--overwrite_output_dir to start afresh there, or choose another --output_dir"
         )
 
 

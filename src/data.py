@@ -8,6 +8,7 @@ fills the datasets cache and the others read it.
 from pathlib import Path
 
 import datasets.config
+from accelerate.logging import get_logger
 from datasets import Dataset, DatasetDict, load_dataset
 
 from src.errors import UserError
@@ -30,6 +31,8 @@ TEXT_PAIR_COLUMNS = (
     ("question", "sentence"),
 )
 LABEL_COLUMNS = ("label", "labels")
+
+logger = get_logger(__name__)
 
 
 def load_file(path: Path, keep_linebreaks: bool = True) -> Dataset:
@@ -61,7 +64,19 @@ def load_file(path: Path, keep_linebreaks: bool = True) -> Dataset:
         raise UserError(f"{path}: cannot be read as {path.suffix[1:]}: {why[:300]}") from err
     if len(dataset) == 0:
         raise UserError(f"{path}: the file has no rows")
+    if name == "csv":
+        _warn_of_lists_written_as_text(path, dataset[0])
     return dataset
+
+
+def _warn_of_lists_written_as_text(path: Path, row: dict):
+    """A list saved in a CSV cell (pandas' to_csv of word and tag lists) is its text, "['EU', 'rejects']": one string,
+    which the tasks would take for a sentence and a class, and whose errors would then point elsewhere."""
+    listed = [column for column, value in row.items() if isinstance(value, str) and value[:1] + value[-1:] == "[]"]
+    if listed:
+        logger.warning(f"{path}: column(s) {', '.join(map(repr, listed))} hold lists written as text "
+                       f"({row[listed[0]][:40]!r}): a CSV cell holds one string; write lists of words, tags or labels "
+                       "in a .jsonl or .parquet file")  # fmt: skip
 
 
 def load_hub_dataset(

@@ -22,10 +22,20 @@ def tracker_project(report_to: str, output_dir: Path) -> str:
 def setup_logging():
     """Our INFO lines on the main process; the libraries' warnings, load reports and progress bars kept out."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    # Accelerate's own INFO lines name each file of every checkpoint (7 a save): "Saved checkpoint ..." says it once.
+    logging.getLogger("accelerate").setLevel(logging.WARNING)
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     datasets.utils.logging.set_verbosity_error()
     datasets.disable_progress_bars()
+
+
+def metrics_line(metrics: dict, leave_out=("eval_samples",)) -> str:
+    """`name = value, ...` for the log: scores to 4 decimals, counts (examples, entities) as whole numbers."""
+    shown = (
+        f"{k} = {v:.4f}" if isinstance(v, float) else f"{k} = {v}" for k, v in metrics.items() if k not in leave_out
+    )
+    return ", ".join(shown)
 
 
 def write_json(path: Path, values: dict):

@@ -1,5 +1,8 @@
 """Flags, YAML config files and their validation."""
 
+import importlib.util
+import json
+
 import pytest
 from conftest import REPO
 
@@ -27,6 +30,7 @@ def test_defaults_are_sensible():
     demo = parse()  # the built-in demo is learnt within one epoch; evaluations along the way show the curve
     assert (demo.num_train_epochs, demo.eval_steps) == (1, 10)
     assert parse("--num_train_epochs", "2", "--eval_steps", "5").num_train_epochs == 2
+    assert parse("--num_train_epochs", "3.0").num_train_epochs == 3  # Trainer's and TRL's float spelling
     assert args.max_length is None  # 128, or less for a model with fewer positions
     assert args.report_to == "tensorboard" and args.group_by_length
 
@@ -43,6 +47,11 @@ def test_defaults_are_sensible():
         (["--warmup_ratio", "1.5"], "--warmup_ratio: must be in [0, 1)"),
         (["--weight_decay", "-1"], "--weight_decay"),
         (["--num_train_epochs", "two"], "--num_train_epochs: must be a whole number, got 'two'"),
+        (
+            ["--num_train_epochs", "0.5"],
+            "must be a positive whole number, got 0.5 (part of an epoch: --max_train_steps",
+        ),
+        (["--num_train_epochs", "0"], "--num_train_epochs: must be a positive whole number, got 0"),
         (["--cpu_threads", "all"], "--cpu_threads: must be a whole number, got 'all'"),
         (["--learning_rate", "fast"], "--learning_rate: must be a number, got 'fast'"),
         (
@@ -75,6 +84,8 @@ def test_defaults_are_sensible():
         (["--use_peft", "maybe"], "--use_peft/--no-use_peft: must be true or false, got 'maybe'"),
         (["--no-use_peft", "true"], "--no-use_peft takes no value"),
         (["--save_steps", "500"], "did you mean --save_steps -> --checkpointing_steps N?"),
+        (["--max_new_tokens", "9"], "unrecognized arguments: --max_new_tokens 9 (see --help)"),  # evaluate.py's
+        (["--torch_compile"], "--torch_compile -> accelerate launch --dynamo_backend inductor train.py"),
         (
             ["--eval_strategy", "steps", "--bf16"],
             "--eval_strategy -> --eval_steps N (default: at each epoch's end; always on), --bf16 -> --mixed_precision "
@@ -186,6 +197,20 @@ def test_help_groups_flags_and_shows_defaults(capsys):
     assert "(default: 0.01)" in text  # --weight_decay: defaults are shown
 
 
+def test_report_to_takes_trainers_list_of_trackers(tmp_path, capsys):
+    """`--report_to tensorboard wandb` as Trainer takes it, kept as one text in args.json ("tensorboard,wandb")."""
+    assert parse("--report_to", "all").report_to == "all"
+    assert parse("--report_to", "tensorboard", "tensorboard").report_to == "tensorboard"
+    config = tmp_path / "run.yaml"
+    config.write_text("report_to: [tensorboard]\n")
+    assert parse("--config", str(config)).report_to == "tensorboard"
+    assert "--report_to none tensorboard: all and none stand alone" in error_of(capsys, "--report_to", "none",
+                                                                                "tensorboard")  # fmt: skip
+    if importlib.util.find_spec("wandb") is None:  # every tracker named is checked, not the first only
+        assert "--report_to wandb: the package is not installed" in error_of(capsys, "--report_to", "tensorboard",
+                                                                              "wandb")  # fmt: skip
+
+
 def test_evaluate_needs_a_model_from_the_command_line_or_its_config(tmp_path, capsys):
     from conftest import load_script
 
@@ -193,6 +218,14 @@ def test_evaluate_needs_a_model_from_the_command_line_or_its_config(tmp_path, ca
     with pytest.raises(SystemExit):
         parse_eval_args(["--validation_file", "dev.csv"])
     assert "--model_name_or_path is required" in capsys.readouterr().err
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "args.json").write_text(json.dumps({"validation_file": "data/dev.jsonl"}))  # a run's record
+    with pytest.raises(SystemExit):
+        parse_eval_args(["--model_name_or_path", str(run)])
+    assert "give exactly one of --validation_file or --dataset_name (its run's: --validation_file data/dev.jsonl)" in (
+        capsys.readouterr().err
+    )
     config = tmp_path / "eval.yaml"
     config.write_text(f"model_name_or_path: {tmp_path}\nvalidation_file: dev.csv\n")
     args = parse_eval_args(["--config", str(config)])
@@ -268,7 +301,8 @@ def test_evaluate_py_hints_only_at_its_own_flags(capsys):
     from conftest import load_script
 
     parse_eval_args = load_script("evaluate").parse_eval_args
-    for flag, hint in (("--lr", None), ("--bf16", "--bf16 -> --mixed_precision bf16")):
+    for flag, hint in (("--lr", None), ("--bf16", "--bf16 -> --mixed_precision bf16"),
+                       ("--max_new_tokens", "--max_new_tokens -> --generation_max_length N")):  # fmt: skip
         with pytest.raises(SystemExit):
             parse_eval_args(["--model_name_or_path", "m", "--validation_file", "dev.csv", flag])
         message = capsys.readouterr().err

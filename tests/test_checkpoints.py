@@ -49,6 +49,23 @@ def test_rotation_keeps_the_newest_and_the_best(tiny_model, data, tmp_path, limi
     assert json.loads((out / "all_results.json").read_text())["eval_loss"] == best["eval_loss"]
 
 
+def test_the_refusal_to_train_over_a_run_offers_a_resume_only_where_a_checkpoint_is(tmp_path):
+    """A finished run that kept no checkpoint cannot be continued: following the hint would fail next."""
+    from src.checkpoint import check_output_dir
+
+    def refusal(folder):
+        with pytest.raises(train.UserError) as refused:
+            check_output_dir(folder, overwrite=False, resume_from=None)
+        return str(refused.value)
+
+    folder = tmp_path
+    (folder / "all_results.json").write_text("{}")
+    assert "--resume_from_checkpoint" not in refusal(folder) and "--overwrite_output_dir" in refusal(folder)
+    (folder / "checkpoint-4").mkdir()
+    (folder / "checkpoint-4" / "training_state.json").write_text("{}")
+    assert "--resume_from_checkpoint latest to continue it" in refusal(folder)
+
+
 def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkeypatch, caplog, capsys):
     out = tmp_path / "out"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "epoch"))
@@ -85,6 +102,7 @@ def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkey
     with pytest.raises(SystemExit), caplog.at_level("INFO"):
         run_main(*train_args(tiny_model, *kept_data, out, "--overwrite_output_dir", "--config", str(out / "run.yaml")))
     assert "run the same command without --overwrite_output_dir, with --resume_from_checkpoint latest" in caplog.text
+    assert "Saved checkpoint" in caplog.text and "Optimizer state saved" not in caplog.text, "not accelerate's per file"
     assert not (out / "all_results.json").exists() and not (out / "README.md").exists()
     assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
     assert all(Path(file).is_file() for file in kept_data) and (out / "run.yaml").is_file()

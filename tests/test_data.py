@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import pytest
+from accelerate import PartialState
 from accelerate.data_loader import prepare_data_loader, skip_first_batches
 from conftest import sentiment_rows, write_rows
 from datasets import Dataset
@@ -26,6 +27,16 @@ def test_every_file_type_loads(tmp_path, suffix):
     rows = sentiment_rows(5)
     dataset = load_file(write_rows(tmp_path / f"data{suffix}", rows))
     assert dataset["sentence"] == [r["sentence"] for r in rows]
+
+
+def test_lists_written_into_a_csv_are_named_with_the_fix(tmp_path, caplog):
+    """pandas' to_csv of word and tag lists writes their text: read back, they would pass for a sentence and a class."""
+    PartialState(cpu=True)  # accelerate's logger, which says it on the main process only
+    rows = [{"tokens": "['EU', 'rejects']", "ner_tags": "['B-ORG', 'O']", "note": "[sic] kept"}]
+    with caplog.at_level("WARNING"):
+        load_file(write_rows(tmp_path / "words.csv", rows))
+    assert "column(s) 'tokens', 'ner_tags' hold lists written as text (\"['EU', 'rejects']\")" in caplog.text
+    assert "write lists of words, tags or labels in a .jsonl or .parquet file" in caplog.text
 
 
 def test_file_errors_name_the_file(tmp_path):

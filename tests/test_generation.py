@@ -169,6 +169,10 @@ def test_rows_without_prompts_are_one_line_errors(trained_lm, tiny_model, tmp_pa
             "--predict_with_generate"]  # fmt: skip
     with pytest.raises(UserError, match="a model for classification into 2 classes has none to answer"):
         run_in_process("evaluate", argv)
+    prompts = write_rows(tmp_path / "prompts.jsonl", [{"prompt": "the plot was"}])
+    argv = ["--model_name_or_path", str(trained_lm["model"]), "--validation_file", str(prompts)]
+    with pytest.raises(UserError, match=r"\(its columns: prompt\); prompts alone are answered with --predict_with_gen"):
+        run_in_process("evaluate", argv)  # nothing to score, and the flag that would answer them not given
 
 
 def test_data_of_another_format_than_the_models_is_scored_with_a_warning(trained_lm, tmp_path, caplog):

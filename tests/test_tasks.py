@@ -724,10 +724,6 @@ def test_a_head_of_another_size_is_replaced_unless_refused(tmp_path, tiny_model)
         three.build_model(model_args(tiny_model, ignore_mismatched_sizes=False), tokenizer, "no")
 
 
-def test_report_to_all_is_accepted():
-    assert parse("--report_to", "all").report_to == "all"
-
-
 # ---------------------------------------------------------------- notebooks
 
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from src.errors import UserError
 from src.model import default_model_path, load_tokenizer
+from src.reporting import metrics_line
 from src.tasks import detect_task
 from src.tasks.token_classification import IGNORE, TokenClassification
 
@@ -74,7 +75,12 @@ def test_entity_level_metrics_name_every_type_of_the_labels():
     scores = task.metrics({"label": labels, "prediction": torch.tensor([[0, 2, 4, 1]])})
     assert scores["LOC_f1"] == 1.0 and scores["LOC_number"] == 1
     assert {key: scores[key] for key in scores if key.startswith("PER_")} == {
-        "PER_precision": 0.0, "PER_recall": 0.0, "PER_f1": 0.0, "PER_number": 0.0}  # fmt: skip
+        "PER_precision": 0.0, "PER_recall": 0.0, "PER_f1": 0.0, "PER_number": 0}  # fmt: skip
+    # Counts of entities are whole numbers, as run_ner_no_trainer.py reports them (`eval_LOC_number = 8`, not 8.0000).
+    assert type(scores["LOC_number"]) is type(scores["PER_number"]) is int
+    assert metrics_line({"eval_samples": 1, "eval_LOC_f1": 1.0, "eval_LOC_number": 1}) == (
+        "eval_LOC_f1 = 1.0000, eval_LOC_number = 1"
+    )
 
 
 def test_labels_go_on_the_first_sub_token_of_each_word():

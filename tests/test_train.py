@@ -94,6 +94,8 @@ def test_classification_end_to_end(tiny_model, tiny_data, tmp_path, monkeypatch)
     assert model.config.id2label == {0: "negative", 1: "positive"}
     assert model.config.label2id == {"negative": 0, "positive": 1}
     assert tensor_names(out / "model.safetensors") == tensor_names(tiny_model / "model.safetensors")
+    # Readable by whoever may read the config (safetensors 0.8 alone leaves its files 0600: a teammate could not load).
+    assert (out / "model.safetensors").stat().st_mode == (out / "config.json").stat().st_mode
     args = json.loads((out / "args.json").read_text())
     assert args["text_column"] == "sentence" and args["label_column"] == "label"
     assert args["dataloader_num_workers"] == 0, "the workers the run used (no GPU: none), not the flag's None"

@@ -131,7 +131,10 @@ class CausalLM(Task):
         if fmt is None and "prompt" in column_names and args.predict_with_generate:
             fmt = PROMPT_COMPLETION  # prompts to answer, with no answers to score
         if fmt is None:
-            raise UserError(f"the data has no columns a causal LM reads (its columns: {', '.join(column_names)})")
+            prompts = "; prompts alone are answered with --predict_with_generate" if "prompt" in column_names else ""
+            raise UserError(
+                f"the data has no columns a causal LM reads (its columns: {', '.join(column_names)}){prompts}"
+            )
         if record.get("format") not in (None, fmt):  # perplexity on other text may be what is wanted: said, not refused
             logger.warning(f"the model was trained on {record['format']} rows and this data is {fmt}: it is scored as "
                            f"{fmt}, and its loss is not comparable with the training run's")  # fmt: skip

@@ -286,7 +286,7 @@ class TokenClassification(Task):
         if self.iob and self.return_entity_level_metrics:
             # Every type of the labels, 0 where neither the data nor the predictions hold one: the same keys at every
             # evaluation, for --metric_for_best_model and the trackers' curves.
-            none = dict.fromkeys(ENTITY_SCORES, 0.0)
+            none = {key: 0 if key == "number" else 0.0 for key in ENTITY_SCORES}
             scores |= {f"{entity}_{key}": value for entity in self.entity_types()
                        for key, value in by_entity.get(entity, none).items()}  # fmt: skip
             # The same scores under run_ner_no_trainer.py's names with this flag, for what reads eval_overall_f1.
