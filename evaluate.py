@@ -51,7 +51,8 @@ def parse_eval_args(argv=None):
     if not args.model_name_or_path:
         parser.error("--model_name_or_path is required: a train.py output folder")
     if bool(args.validation_file) == bool(args.dataset_name):
-        parser.error(f"give exactly one of --validation_file or --dataset_name{_data_of_the_run(args)}")
+        trained_on = "" if args.validation_file else _data_of_the_run(args)
+        parser.error(f"give exactly one of --validation_file or --dataset_name{trained_on}")
     model = Path(args.model_name_or_path)
     if (model / STATE_FILE).is_file():  # accelerate's state, without the config that from_pretrained reads
         parser.error(f"--model_name_or_path {model} is a checkpoint, for train.py --resume_from_checkpoint; evaluate "
@@ -73,10 +74,10 @@ def _data_of_the_run(args) -> str:
     except UserError:
         return ""
     if record.get("validation_file"):
-        return f" (its run's: --validation_file {record['validation_file']})"
+        return f" (the model was evaluated in training on --validation_file {record['validation_file']})"
     if record.get("dataset_name"):
         config = f" --dataset_config_name {record['dataset_config_name']}" if record.get("dataset_config_name") else ""
-        return f" (its run's: --dataset_name {record['dataset_name']}{config})"
+        return f" (the model was evaluated in training on --dataset_name {record['dataset_name']}{config})"
     return ""
 
 

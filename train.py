@@ -41,6 +41,7 @@ from src.checkpoint import (
     load_checkpoint,
     newest_checkpoint,
     read_checkpoint_args,
+    readable_as_its_other_files,
     remove_checkpoints,
     remove_run_files,
     resolve_checkpoint,
@@ -51,7 +52,7 @@ from src.errors import UserError, errors_reach_every_rank, main_process_first, r
 from src.evaluation import evaluate, evaluate_more
 from src.hub import check_hub_access, push_to_hub, upload_command
 from src.loaders import build_eval_dataloader, build_train_dataloader, collating_workers, padding_options
-from src.model import prepare_for_training, readable_as_its_other_files, resolve_max_length
+from src.model import prepare_for_training, resolve_max_length
 from src.model_card import write_model_card
 from src.optimizer import build_optimizer, build_scheduler, count_parameters, use_sharded_parameters
 from src.plan import BatchSizes, Plan, learning_rate, make_plan

@@ -253,6 +253,14 @@ def _epochs(text):
     return int(value)
 
 
+def _trackers(text) -> str:
+    """`tensorboard`, or `tensorboard,wandb` (as args.json holds several): each one of TRACKERS."""
+    names = [name.strip() for name in text.split(",")]
+    if unknown := [name for name in names if name not in TRACKERS]:
+        raise argparse.ArgumentTypeError(f"invalid choice: {unknown[0]!r} (choose from {', '.join(TRACKERS)})")
+    return ",".join(names)
+
+
 def _steps_or_epoch(text):
     if text == "epoch":
         return text
@@ -576,11 +584,11 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
     logging.add_argument(
         "--report_to",
         nargs="+",
-        choices=TRACKERS,
+        type=_trackers,
         default="tensorboard",
         metavar="TRACKER",
-        help=f"Experiment trackers ({', '.join(TRACKERS)}), space-separated as Trainer takes them; all: every "
-        "installed one that accelerate supports.",
+        help=f"Experiment trackers ({', '.join(TRACKERS)}), space- or comma-separated; all: every installed one "
+        "that accelerate supports.",
     )
     logging.add_argument(
         "--with_tracking",
@@ -922,9 +930,10 @@ def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> arg
     if not args.lora_target_modules.replace(",", "").strip():
         parser.error("--lora_target_modules needs module names (e.g. q_proj,v_proj) or all-linear")
     if isinstance(args.report_to, list):  # one text, "tensorboard,wandb", as args.json has always held one tracker
-        if len(args.report_to) > 1 and {"all", "none"} & set(args.report_to):
-            parser.error(f"--report_to {' '.join(args.report_to)}: all and none stand alone")
-        args.report_to = ",".join(dict.fromkeys(args.report_to))
+        trackers = list(dict.fromkeys(",".join(args.report_to).split(",")))
+        if len(trackers) > 1 and {"all", "none"} & set(trackers):
+            parser.error(f"--report_to {' '.join(trackers)}: all and none stand alone")
+        args.report_to = ",".join(trackers)
     for tracker in args.report_to.split(","):
         if tracker not in ("tensorboard", "all", "none") and importlib.util.find_spec(tracker) is None:
             parser.error(

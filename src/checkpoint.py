@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 import socket
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -144,6 +144,27 @@ def is_checkpoint_writer(accelerator, save_on_each_node: bool) -> bool:
     return accelerator.is_local_main_process if save_on_each_node else accelerator.is_main_process
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (another thread may be creating a file)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration):
+        umask = os.umask(0o077)  # elsewhere read by setting it, to a strict value for that instant, and back
+        os.umask(umask)
+        return umask
+
+
+def readable_as_its_other_files(folder: Path):
+    """The weights in `folder` get the mode every new file gets here (0644 under the usual umask 022). safetensors 0.8
+    writes them through a temporary file, whose mode 0600 they keep (safetensors issue 782): teammates on a shared
+    cluster, or a container's other user, could read config.json but neither load nor resume the weights."""
+    mode = 0o666 & ~_umask()
+    for path in Path(folder).glob("*.safetensors"):
+        with suppress(OSError):  # another user's file in a shared folder: left as it is, the run goes on
+            os.chmod(path, mode)
+
+
 def save_checkpoint(accelerator, output_dir: Path, state: dict, is_writer: bool, save_total_limit=None) -> Path:
     """Save model, optimizer, scheduler and RNG states (every rank) and `state` (the loop's position).
 
@@ -158,6 +179,7 @@ def save_checkpoint(accelerator, output_dir: Path, state: dict, is_writer: bool,
     accelerator.save_state(str(partial))
     if is_writer:
         (partial / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
+        readable_as_its_other_files(partial)
     accelerator.wait_for_everyone()  # every rank's files are in before the checkpoint counts
     if is_writer:
         if final.exists():

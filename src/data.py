@@ -5,10 +5,11 @@ Every function here runs identically on every rank; train.py calls them under `m
 fills the datasets cache and the others read it.
 """
 
+import ast
+import logging
 from pathlib import Path
 
 import datasets.config
-from accelerate.logging import get_logger
 from datasets import Dataset, DatasetDict, load_dataset
 
 from src.errors import UserError
@@ -31,8 +32,6 @@ TEXT_PAIR_COLUMNS = (
     ("question", "sentence"),
 )
 LABEL_COLUMNS = ("label", "labels")
-
-logger = get_logger(__name__)
 
 
 def load_file(path: Path, keep_linebreaks: bool = True) -> Dataset:
@@ -71,12 +70,25 @@ def load_file(path: Path, keep_linebreaks: bool = True) -> Dataset:
 
 def _warn_of_lists_written_as_text(path: Path, row: dict):
     """A list saved in a CSV cell (pandas' to_csv of word and tag lists) is its text, "['EU', 'rejects']": one string,
-    which the tasks would take for a sentence and a class, and whose errors would then point elsewhere."""
-    listed = [column for column, value in row.items() if isinstance(value, str) and value[:1] + value[-1:] == "[]"]
+    which the tasks would take for a sentence and a class, and whose errors would then point elsewhere. A text that
+    reads as no list ("[Music]") is a text."""
+    listed = [column for column, value in row.items() if isinstance(value, str) and _is_a_list(value)]
     if listed:
-        logger.warning(f"{path}: column(s) {', '.join(map(repr, listed))} hold lists written as text "
-                       f"({row[listed[0]][:40]!r}): a CSV cell holds one string; write lists of words, tags or labels "
-                       "in a .jsonl or .parquet file")  # fmt: skip
+        shown = ", ".join(map(repr, listed))
+        # The logging module's own logger: load_file also serves where no Accelerate state exists (benchmarks).
+        logging.getLogger(__name__).warning(
+            f"{path}: column(s) {shown} hold lists written as text ({row[listed[0]][:40]!r}): a CSV cell holds one "
+            "string; write lists of words, tags or labels in a .jsonl or .parquet file"
+        )
+
+
+def _is_a_list(text: str) -> bool:
+    if text[:1] + text[-1:] != "[]":
+        return False
+    try:
+        return isinstance(ast.literal_eval(text), list)  # Python's repr of a list, or JSON's of strings and numbers
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return False
 
 
 def load_hub_dataset(

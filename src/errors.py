@@ -61,12 +61,20 @@ def errors_reach_every_rank(accelerator, timeout: float | None = None):
         raise failure
 
 
+# True while run_cli runs main() as a script: the process ends with it, so a failed run's variables need not be let go
+# (see src/runtime.accelerate_state_of_this_run), and `python -m pdb train.py`'s post-mortem still shows them. Not
+# under IPython's `%run train.py`, whose kernel goes on.
+process_ends_with_main = False
+
+
 def run_cli(main, parse_args):
     """Run `main(parse_args())`; a UserError becomes one line on stderr and exit status 2, Ctrl-C one line and 130.
 
     What is alive at the end (model, data) is freed by the process's exit, not by Python: frozen, the exit's garbage
     collection does not scan it (0.1-1 s less); the scripts froze what their imports made likewise.
     """
+    global process_ends_with_main
+    process_ends_with_main = "IPython" not in sys.modules
     try:
         return main(parse_args())
     except UserError as err:
@@ -77,6 +85,7 @@ def run_cli(main, parse_args):
         print(f"{_rank()}interrupted", file=sys.stderr, flush=True)
         sys.exit(130)  # as a shell reports a process ended by SIGINT
     finally:
+        process_ends_with_main = False
         gc.freeze()
 
 

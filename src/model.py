@@ -389,16 +389,6 @@ def _without_kv_cache(model):
     return model
 
 
-def readable_as_its_other_files(folder: Path):
-    """The weights get the mode every new file gets here (0644 under the usual umask 022). safetensors 0.8 writes them
-    through a temporary file, whose mode 0600 they keep (safetensors issue 782): teammates on a shared cluster, or a
-    container's other user, could read config.json but not the weights."""
-    umask = os.umask(0o077)  # read by setting it: to a strict value for that instant, then back
-    os.umask(umask)
-    for path in Path(folder).glob("*.safetensors"):
-        os.chmod(path, 0o666 & ~umask)
-
-
 def save_model(
     accelerator, model, output_dir: Path, auto_class, merge_lora=False, trust_remote_code=False, new_head=True
 ):

@@ -23,7 +23,10 @@ def setup_logging():
     """Our INFO lines on the main process; the libraries' warnings, load reports and progress bars kept out."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     # Accelerate's own INFO lines name each file of every checkpoint (7 a save): "Saved checkpoint ..." says it once.
-    logging.getLogger("accelerate").setLevel(logging.WARNING)
+    # A level set for it already (by the notebook's user, or ACCELERATE_LOG_LEVEL) stays.
+    accelerate_logger = logging.getLogger("accelerate")
+    if accelerate_logger.level == logging.NOTSET:
+        accelerate_logger.setLevel(logging.WARNING)
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     datasets.utils.logging.set_verbosity_error()

@@ -16,6 +16,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedDataParallelKwargs
 
+from src import errors
 from src.errors import UserError
 
 # The variables by which launchers tell a rank how many ranks share its machine: torchrun and accelerate,
@@ -162,6 +163,22 @@ def make_accelerator(args, saved_precision: str | None, find_unused_parameters: 
         return accelerator, reason, threads
 
 
+def let_go_of_the_variables(err: BaseException):
+    """A notebook (or a loop over runs) keeps the traceback of a failed run, and with it the variables of its frames:
+    the model and optimizer (GPU memory the next try needs) and persistent collating workers. The lines stay; the
+    variables go, those of the exceptions it was raised from or during too, and at once: they hold reference cycles,
+    and GPU memory running short triggers no garbage collection. (`%debug` then shows no variables.)"""
+    seen, pending = set(), [err]
+    while pending:
+        exception = pending.pop()
+        if exception is None or id(exception) in seen:
+            continue
+        seen.add(id(exception))
+        traceback.clear_frames(exception.__traceback__)
+        pending += [exception.__cause__, exception.__context__, *getattr(exception, "exceptions", ())]
+    gc.collect()
+
+
 @contextmanager
 def accelerate_state_of_this_run():
     """Around main(): Accelerate's state of the process that main() sets up (precision, devices, the ended process
@@ -183,11 +200,8 @@ def accelerate_state_of_this_run():
         # and a rank may abort (SIGABRT) instead of exiting with its status; end_training() ends it when a run ends.
         if not callers_partial_state and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        # A notebook keeps the traceback, and with it the failed run's variables: the model and optimizer (GPU memory
-        # the next try needs) and persistent collating workers. The lines stay, the variables go, and at once: they
-        # hold reference cycles, and GPU memory running short triggers no garbage collection.
-        traceback.clear_frames(err.__traceback__)
-        gc.collect()
+        if not errors.process_ends_with_main:
+            let_go_of_the_variables(err)
         raise
     finally:
         if matmul_precision is not None:

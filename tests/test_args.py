@@ -7,6 +7,7 @@ import pytest
 from conftest import REPO
 
 from src.args import build_train_parser, parse_args, parse_train_args, validate_train_args
+from src.reporting import tracker_project
 
 
 def parse(*argv):
@@ -197,7 +198,7 @@ def test_help_groups_flags_and_shows_defaults(capsys):
     assert "(default: 0.01)" in text  # --weight_decay: defaults are shown
 
 
-def test_report_to_takes_trainers_list_of_trackers(tmp_path, capsys):
+def test_report_to_takes_trainers_list_of_trackers(tmp_path, capsys, monkeypatch):
     """`--report_to tensorboard wandb` as Trainer takes it, kept as one text in args.json ("tensorboard,wandb")."""
     assert parse("--report_to", "all").report_to == "all"
     assert parse("--report_to", "tensorboard", "tensorboard").report_to == "tensorboard"
@@ -209,6 +210,18 @@ def test_report_to_takes_trainers_list_of_trackers(tmp_path, capsys):
     if importlib.util.find_spec("wandb") is None:  # every tracker named is checked, not the first only
         assert "--report_to wandb: the package is not installed" in error_of(capsys, "--report_to", "tensorboard",
                                                                               "wandb")  # fmt: skip
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    installed = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: name in ("wandb", "mlflow") or installed(name))
+    several = parse("--report_to", "tensorboard", "wandb", "--with_tracking").report_to
+    assert several == parse("--report_to", "tensorboard,wandb").report_to == "tensorboard,wandb"  # args.json's, too
+    config.write_text("report_to: [wandb, mlflow]\n")
+    assert parse("--config", str(config)).report_to == "wandb,mlflow"
+    # TensorBoard beside another tracker writes into the folder named as the others' project: the output folder's.
+    assert (
+        tracker_project(several, tmp_path / "run") == "run"
+        and tracker_project("tensorboard", tmp_path) == "tensorboard"
+    )
 
 
 def test_evaluate_needs_a_model_from_the_command_line_or_its_config(tmp_path, capsys):
@@ -223,7 +236,7 @@ def test_evaluate_needs_a_model_from_the_command_line_or_its_config(tmp_path, ca
     (run / "args.json").write_text(json.dumps({"validation_file": "data/dev.jsonl"}))  # a run's record
     with pytest.raises(SystemExit):
         parse_eval_args(["--model_name_or_path", str(run)])
-    assert "give exactly one of --validation_file or --dataset_name (its run's: --validation_file data/dev.jsonl)" in (
+    assert "--dataset_name (the model was evaluated in training on --validation_file data/dev.jsonl)" in (
         capsys.readouterr().err
     )
     config = tmp_path / "eval.yaml"

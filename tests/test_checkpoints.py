@@ -69,6 +69,8 @@ def test_the_refusal_to_train_over_a_run_offers_a_resume_only_where_a_checkpoint
 def test_refuses_to_train_over_a_finished_run(tiny_model, data, tmp_path, monkeypatch, caplog, capsys):
     out = tmp_path / "out"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "epoch"))
+    (checkpoint,) = out.glob("checkpoint-*")  # its weights readable by whoever may resume (safetensors alone: 0600)
+    assert (checkpoint / "model.safetensors").stat().st_mode == (checkpoint / "training_state.json").stat().st_mode
     before = run_files(out)
     with pytest.raises(train.UserError, match="--overwrite_output_dir.*|--resume_from_checkpoint latest"):
         run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1"))

@@ -28,7 +28,7 @@ from sklearn.metrics import f1_score, matthews_corrcoef
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 import src.plots
-from src.errors import UserError
+from src.errors import UserError, run_cli
 
 train = load_script("train")
 evaluate_script = load_script("evaluate")
@@ -264,19 +264,30 @@ def test_a_failed_run_lets_go_of_its_model_and_collating_workers(tiny_model, tmp
         models.append(weakref.ref(model := src.model.prepare_for_training(*args)))
         return model
 
-    def failing_evaluation(*args):
-        raise RuntimeError("evaluation failed")
+    def forward(model):
+        raise ValueError("a forward pass failed")
+
+    def failing_evaluation(model, *args):
+        try:
+            forward(model)  # an error turned into another: the first one's frames hold the model too
+        except ValueError as err:
+            raise RuntimeError("evaluation failed") from err
 
     monkeypatch.setattr(train, "prepare_for_training", prepared)
     monkeypatch.setattr(train, "evaluate", failing_evaluation)
     data = write_rows(tmp_path / "train.csv", sentiment_rows(16))
+    argv = ["--model_name_or_path", tiny_model, "--train_file", data, "--validation_file", data, "--eval_steps", "1",
+            "--dataloader_num_workers", "1", "--output_dir", tmp_path / "out", "--report_to", "none"]  # fmt: skip
+    children = set(psutil.Process().children(recursive=True))
     with pytest.raises(RuntimeError, match="evaluation failed") as failure:
-        run_train("--model_name_or_path", tiny_model, "--train_file", data, "--validation_file", data,
-                  "--eval_steps", "1", "--dataloader_num_workers", "1", "--output_dir", tmp_path / "out",
-                  "--report_to", "none")  # fmt: skip
+        run_train(*argv)
     assert failure.value.__traceback__ is not None, "the traceback is kept, as a notebook keeps it"
     assert models and models[0]() is None, "the failed run's model is still alive"
-    assert not psutil.Process().children(recursive=True), "the failed run's collating worker is still running"
+    assert set(psutil.Process().children(recursive=True)) <= children, "the failed run's collating worker still runs"
+    # As a script (run_cli) the process ends with the run: its variables stay for a post-mortem (python -m pdb).
+    with pytest.raises(RuntimeError, match="evaluation failed") as failure:
+        run_cli(train.main, lambda: train.parse_train_args([str(a) for a in argv + ["--overwrite_output_dir"]]))
+    assert models[1]() is not None, "a script's failed run kept no variables for the debugger"
 
 
 def test_evaluating_data_without_the_label_column_says_so(trained_tiny_model, tmp_path, caplog):
