@@ -6,10 +6,10 @@ fills the datasets cache and the others read it.
 """
 
 import ast
-import logging
 from pathlib import Path
 
 import datasets.config
+from accelerate.logging import get_logger
 from datasets import Dataset, DatasetDict, load_dataset
 
 from src.errors import UserError
@@ -32,6 +32,8 @@ TEXT_PAIR_COLUMNS = (
     ("question", "sentence"),
 )
 LABEL_COLUMNS = ("label", "labels")
+
+logger = get_logger(__name__)
 
 
 def load_file(path: Path, keep_linebreaks: bool = True) -> Dataset:
@@ -75,8 +77,7 @@ def _warn_of_lists_written_as_text(path: Path, row: dict):
     listed = [column for column, value in row.items() if isinstance(value, str) and _is_a_list(value)]
     if listed:
         shown = ", ".join(map(repr, listed))
-        # The logging module's own logger: load_file also serves where no Accelerate state exists (benchmarks).
-        logging.getLogger(__name__).warning(
+        logger.warning(  # on the main process: every rank reads the data
             f"{path}: column(s) {shown} hold lists written as text ({row[listed[0]][:40]!r}): a CSV cell holds one "
             "string; write lists of words, tags or labels in a .jsonl or .parquet file"
         )

@@ -74,7 +74,8 @@ def run_cli(main, parse_args):
     collection does not scan it (0.1-1 s less); the scripts froze what their imports made likewise.
     """
     global process_ends_with_main
-    process_ends_with_main = "IPython" not in sys.modules
+    ipython = sys.modules.get("IPython")  # imported by some libraries outside IPython too: running is what counts
+    process_ends_with_main = ipython is None or ipython.get_ipython() is None
     try:
         return main(parse_args())
     except UserError as err:

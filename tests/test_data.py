@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import pytest
+from accelerate import PartialState
 from accelerate.data_loader import prepare_data_loader, skip_first_batches
 from conftest import sentiment_rows, write_rows
 from datasets import Dataset
@@ -30,6 +31,7 @@ def test_every_file_type_loads(tmp_path, suffix):
 
 def test_lists_written_into_a_csv_are_named_with_the_fix(tmp_path, caplog):
     """pandas' to_csv of word and tag lists writes their text: read back, they would pass for a sentence and a class."""
+    PartialState(cpu=True)  # accelerate's logger, which says it on the main process only
     rows = [{"tokens": "['EU', 'rejects']", "ner_tags": '["B-ORG", "O"]', "note": "[Music]", "other": "[1, 2"}]
     with caplog.at_level("WARNING"):
         load_file(write_rows(tmp_path / "words.csv", rows))

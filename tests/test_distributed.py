@@ -96,6 +96,8 @@ def test_two_ranks_write_each_file_once_with_plain_weight_names(two_rank_run, on
         names = tensor_names(path)
         assert not [n for n in names if n.startswith("module.")], path
         assert names == expected, path
+        # Readable by whoever may read its folder's config, whichever rank wrote it (safetensors alone: 0600).
+        assert path.stat().st_mode == (two / "config.json").stat().st_mode, path
     model, info = AutoModelForSequenceClassification.from_pretrained(two, output_loading_info=True)
     assert not any(info.values()), info
     assert model.config.id2label == {0: "negative", 1: "positive"}

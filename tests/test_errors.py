@@ -379,3 +379,16 @@ def test_ctrl_c_before_the_training_loop_is_one_line_and_status_130():
     finally:
         process.kill()
     assert process.returncode == 130 and stderr == "interrupted\n", stderr
+
+
+@pytest.mark.parametrize("kernel,ends", [(None, True), (object(), False)], ids=["script", "IPython's %run"])
+def test_a_script_keeps_a_failed_runs_variables_and_a_kernel_does_not(monkeypatch, kernel, ends):
+    """run_cli's process ends with the run (its variables stay for `python -m pdb`), unless it runs in IPython
+    (`%run train.py`): imported there by a library, IPython does not count; running, it does."""
+    import types
+
+    import src.errors
+
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: kernel))
+    assert src.errors.run_cli(lambda _: src.errors.process_ends_with_main, lambda: None) is ends
+    assert src.errors.process_ends_with_main is False, "only while run_cli runs main()"
