@@ -36,7 +36,16 @@ def pytest_collection_finish(session):
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_CONFIG = REPO / "accelerate_configs" / "cpu.yaml"
-SST2 = REPO.parent / "shared" / "data" / "sst2"  # real data beside the clone (CI puts it there); never copied in
+SHARED_DATA = REPO.parent / "shared" / "data"  # real data beside the clone (CI puts it there); never copied in
+SST2 = SHARED_DATA / "sst2"
+
+
+def read_shared(path: Path) -> str:
+    """A file of the real data beside the clone; a clone without it (a copy of the template elsewhere) skips the test
+    that reads it, with the reason, rather than failing."""
+    if not path.is_file():
+        pytest.skip(f"no {path}: the real data beside the clone (CI has it)")
+    return path.read_text()
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from accelerate import PartialState
-from conftest import REPO, WEIGHTS_ATOL, launch, run_in_process, run_model_card_snippet, train_args, write_rows
+from conftest import (
+    REPO,
+    SHARED_DATA,
+    WEIGHTS_ATOL,
+    launch,
+    read_shared,
+    run_in_process,
+    run_model_card_snippet,
+    train_args,
+    write_rows,
+)
 from datasets import Dataset
 
 from src.data import check_column_flags
@@ -22,7 +32,7 @@ from src.tasks import detect_task
 from src.tasks.base import token_cross_entropy
 from src.tasks.causal_lm import CHAT, IGNORE, PROMPT_COMPLETION, TEXT, CausalLM, _messages
 
-SFT = REPO.parent / "shared" / "data" / "alpaca_eval_sft"
+SFT = SHARED_DATA / "alpaca_eval_sft"
 CHAT_TEMPLATE = str(REPO / "examples" / "chat_template.jinja")
 MESSAGES = [{"role": "user", "content": "the plot"}, {"role": "assistant", "content": "was good"},
             {"role": "user", "content": "and the acting"}, {"role": "assistant", "content": "was bad"}]  # fmt: skip
@@ -175,8 +185,8 @@ def chat_lora_run(tiny_decoders, tmp_path_factory) -> dict:
     """LoRA on the tiny Llama, learning the assistant's turns of 24 real conversations; 9 to validate."""
     folder = tmp_path_factory.mktemp("chat-lora")
     train, dev = folder / "train.jsonl", folder / "dev.jsonl"
-    train.write_text("\n".join((SFT / "train_messages.jsonl").read_text().splitlines()[:24]) + "\n")
-    dev.write_text("\n".join((SFT / "validation_messages.jsonl").read_text().splitlines()[:9]) + "\n")
+    train.write_text("\n".join(read_shared(SFT / "train_messages.jsonl").splitlines()[:24]) + "\n")
+    dev.write_text("\n".join(read_shared(SFT / "validation_messages.jsonl").splitlines()[:9]) + "\n")
     flags = ["--use_peft", "--num_train_epochs", "1", "--max_length", "64", "--assistant_only_loss",
              "--chat_template_path", CHAT_TEMPLATE]  # fmt: skip
     results = run_in_process("train", train_args(tiny_decoders["llama"], train, dev, folder / "out", *flags))

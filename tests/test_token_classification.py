@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import PartialState
-from conftest import REPO, WEIGHTS_ATOL, launch, load_script, run_in_process, run_model_card_snippet, train_args
+from conftest import (
+    SHARED_DATA,
+    WEIGHTS_ATOL,
+    launch,
+    load_script,
+    read_shared,
+    run_in_process,
+    run_model_card_snippet,
+    train_args,
+)
 from datasets import Dataset
 from safetensors.torch import load_file
 
@@ -20,13 +29,12 @@ from src.reporting import metrics_line
 from src.tasks import detect_task
 from src.tasks.token_classification import IGNORE, TokenClassification
 
-SHARED = REPO.parent / "shared" / "data"
-UNER, UD = SHARED / "uner_en_ewt", SHARED / "ud_en_ewt"
+UNER, UD = SHARED_DATA / "uner_en_ewt", SHARED_DATA / "ud_en_ewt"
 
 
 def jsonl_rows(path: Path, count: int, folder: Path, rename: dict | None = None) -> Path:
     """The first `count` rows of a shared data file, in the test's folder (columns renamed as asked)."""
-    rows = [json.loads(line) for line in path.read_text().splitlines()[:count]]
+    rows = [json.loads(line) for line in read_shared(path).splitlines()[:count]]
     rows = [{(rename or {}).get(k, k): v for k, v in row.items()} for row in rows]
     out = folder / f"{path.parent.name}_{path.stem}_{count}.jsonl"
     out.write_text("".join(json.dumps(row) + "\n" for row in rows))
