@@ -16,6 +16,7 @@ from conftest import (
     REPO,
     WEIGHTS_ATOL,
     launch,
+    launch_together,
     run_in_process,
     sentiment_files,
     tensor_names,
@@ -34,9 +35,17 @@ PREPARE_REPORT = re.compile(r"fsdp_on_cpu rank (\d): parameters on meta before p
                             r"buffers after prepare (\w+)")  # fmt: skip
 
 
+def fsdp_launch(args: list[str], **options) -> dict:
+    """train.py under fsdp.yaml on 2 CPU ranks (fp32), as `launch`'s arguments."""
+    return {"script": "tests/fsdp_on_cpu.py", "args": ["train.py", *args], "config": FSDP_CONFIG, **options}
+
+
 def launch_fsdp(args: list[str]):
-    """train.py under fsdp.yaml on 2 CPU ranks (fp32); fails the test unless the run ended well and was FSDP."""
-    result = launch("tests/fsdp_on_cpu.py", ["train.py", *args], config=FSDP_CONFIG)
+    return sharded_log(launch(**fsdp_launch(args)))
+
+
+def sharded_log(result) -> str:
+    """The log of a run under fsdp.yaml; fails the test unless the run ended well and was FSDP."""
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-3000:]
     assert "Processes = 2 on cpu (FSDP)" in log, "the run was not sharded"
@@ -75,10 +84,12 @@ def minilm_runs(tmp_path_factory):
     data = sentiment_files(folder, 32, 20)
     flags = ["--num_train_epochs", "1", "--per_device_train_batch_size", "4", "--max_grad_norm", "0"]
     fsdp, ddp = folder / "fsdp", folder / "ddp"
-    log = launch_fsdp(train_args(default_model_path(), *data, fsdp, *flags))
-    ddp_run = launch("train.py", train_args(default_model_path(), *data, ddp, *flags))
+    sharded, ddp_run = launch_together(
+        fsdp_launch(train_args(default_model_path(), *data, fsdp, *flags)),
+        {"script": "train.py", "args": train_args(default_model_path(), *data, ddp, *flags)},
+    )
     assert ddp_run.returncode == 0, ddp_run.stderr[-3000:]
-    return {"data": data, "fsdp": fsdp, "ddp": ddp, "log": log}
+    return {"data": data, "fsdp": fsdp, "ddp": ddp, "log": sharded_log(sharded)}
 
 
 def test_fsdp_prepares_minilm_and_trains_it_to_the_weights_ddp_reaches(minilm_runs):
@@ -204,18 +215,18 @@ def test_fsdp_shards_the_largest_layer_list_unless_the_config_names_layers(tiny_
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_mid_epoch_resumes_to_the_uninterrupted_weights(tiny_model, tmp_path, monkeypatch):
+def test_a_sharded_checkpoint_mid_epoch_resumes_to_the_uninterrupted_weights(tiny_model, tmp_path):
     """2 epochs of 4 steps, with dropout (whose random state the checkpoint carries); checkpoint-5 is one step into
     the second epoch. Every rank is killed (SIGKILL) as soon as it is complete; the resumed run ends bit for bit
     where the uninterrupted one does."""
     data = sentiment_files(tmp_path, 32, 20)
     flags = ["--per_device_train_batch_size", "4", "--checkpointing_steps", "5"]
     uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
-    launch_fsdp(train_args(tiny_model, *data, uninterrupted, *flags))
-    monkeypatch.setenv("FSDP_ON_CPU_KILL_AFTER_CHECKPOINT", "5")
-    killed = launch("tests/fsdp_on_cpu.py", ["train.py", *train_args(tiny_model, *data, resumed, *flags)],
-                    config=FSDP_CONFIG)  # fmt: skip
-    monkeypatch.delenv("FSDP_ON_CPU_KILL_AFTER_CHECKPOINT")
+    finished, killed = launch_together(
+        fsdp_launch(train_args(tiny_model, *data, uninterrupted, *flags)),
+        fsdp_launch(train_args(tiny_model, *data, resumed, *flags), env={"FSDP_ON_CPU_KILL_AFTER_CHECKPOINT": "5"}),
+    )
+    sharded_log(finished)
     assert killed.returncode != 0 and not (resumed / "model.safetensors").exists()
     checkpoint = resumed / "checkpoint-5"
     assert sorted(path.name for path in resumed.glob("checkpoint-*")) == [checkpoint.name]
@@ -282,9 +293,12 @@ def test_a_llama_layout_classifier_under_fsdp_trains_to_the_weights_ddp_reaches(
     2 ranks add the same two gradients under FSDP as under DDP, so the weights are equal, not close."""
     data = sentiment_files(tmp_path, 32, 16)
     flags = ["--num_train_epochs", "1", "--per_device_train_batch_size", "4", "--max_grad_norm", "0"]
-    log = launch_fsdp(train_args(tiny_decoders["llama"], *data, tmp_path / "fsdp", *flags))
-    assert_only_rank_0_read_the_model(log)
-    ddp = launch("train.py", train_args(tiny_decoders["llama"], *data, tmp_path / "ddp", *flags))
+    model = tiny_decoders["llama"]
+    sharded, ddp = launch_together(
+        fsdp_launch(train_args(model, *data, tmp_path / "fsdp", *flags)),
+        {"script": "train.py", "args": train_args(model, *data, tmp_path / "ddp", *flags)},
+    )
+    assert_only_rank_0_read_the_model(sharded_log(sharded))
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     weights = [load_file(tmp_path / name / "model.safetensors") for name in ("fsdp", "ddp")]
     assert "score.weight" in weights[0] and max_difference(*weights) == 0.0
@@ -301,7 +315,7 @@ def test_a_mistake_only_rank_0_can_see_in_the_weights_stops_every_rank_with_its_
         shutil.copy(tiny_model / name, three / name)
     data = sentiment_files(tmp_path, 16, 8)
     args = train_args(three, *data, tmp_path / "out", "--no-ignore_mismatched_sizes")
-    result = launch("tests/fsdp_on_cpu.py", ["train.py", *args], config=FSDP_CONFIG, timeout=120)
+    result = launch(**fsdp_launch(args, timeout=120))
     assert result.returncode != 0
     # Both ranks print at once into the launcher's one stream, where their lines may interleave.
     assert "[rank 0] error:" in result.stderr and "[rank 1] error:" in result.stderr, result.stderr[-3000:]
