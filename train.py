@@ -48,7 +48,7 @@ from src.checkpoint import (
     save_checkpoint,
 )
 from src.data import check_columns, load_raw_splits
-from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli
+from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli, unused_parameters_explained
 from src.evaluation import evaluate, evaluate_more
 from src.hub import check_hub_access, push_to_hub, upload_command
 from src.loaders import build_eval_dataloader, build_train_dataloader, collating_workers, padding_options
@@ -255,7 +255,8 @@ def train(args) -> dict:
         with StopSignals() as stop_signals:
             run = Run(args, plan, record, accelerator, task, model, optimizer, lr_scheduler, train_dataloader,
                       eval_dataloaders.pop("validation"), state, stop_signals)  # fmt: skip
-            stop_status = train_loop(run)
+            with unused_parameters_explained():
+                stop_status = train_loop(run)
             if stop_status is None:
                 throughput = finish_training(run)
                 eval_metrics = run.eval_metrics | evaluate_more(model, eval_dataloaders, accelerator, task)  # MNLI's mm

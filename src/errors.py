@@ -61,6 +61,23 @@ def errors_reach_every_rank(accelerator, timeout: float | None = None):
         raise failure
 
 
+@contextmanager
+def unused_parameters_explained():
+    """DDP's error for parameters that got no gradient in a step names DDP's own keyword: here, the flag that sets it.
+    It comes at the next step's forward pass, on every rank alike."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "find_unused_parameters=True" not in str(err):
+            raise
+        raise UserError(
+            "some of the model's parameters got no gradient in a training step (a layer that the forward pass does "
+            "not use, such as the pooler of a BERT AutoModel in a task of your own), which DDP on 2 processes refuses: "
+            "pass --ddp_find_unused_parameters, or leave the layer out (AutoModel.from_pretrained(..., "
+            "add_pooling_layer=False))"
+        ) from err
+
+
 # True while run_cli runs main() as a script: the process ends with it, so a failed run's variables need not be let go
 # (see src/runtime.accelerate_state_of_this_run), and `python -m pdb train.py`'s post-mortem still shows them. Not
 # under IPython's `%run train.py`, whose kernel goes on.

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import LOSS_ATOL, launch, load_script, run_in_process, sentiment_files, train_args
+from conftest import LOSS_ATOL, launch, launch_together, load_script, run_in_process, sentiment_files, train_args
 from datasets import Dataset
 from safetensors.torch import load_file
 
@@ -81,15 +81,24 @@ class WithSpareLayer(BagOfWordsClassification):
 def test_a_model_with_parameters_that_get_no_gradient_trains_on_two_ranks_with_the_flag(
     tiny_model, tmp_path, monkeypatch
 ):
-    """DDP on 2 ranks stops such a model at its second step unless it looks for unused parameters: Trainer's flag."""
+    """DDP on 2 ranks stops such a model at its second step unless it looks for unused parameters: Trainer's flag,
+    which the error names (DDP's own names its keyword)."""
     (tmp_path / "spare_layer.py").write_text(SPARE_LAYER_TASK)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     train, dev = sentiment_files(tmp_path, 16, 4)
     flags = ["--task", "spare_layer:WithSpareLayer", "--embedding_dim", "8", "--per_device_train_batch_size", "4",
-             "--max_train_steps", "2", "--ddp_find_unused_parameters"]  # fmt: skip
-    result = launch("train.py", train_args(tiny_model, train, dev, tmp_path / "out", *flags))
+             "--max_train_steps", "2"]  # fmt: skip
+    without, result = launch_together(
+        {"script": "train.py", "args": train_args(tiny_model, train, dev, tmp_path / "without", *flags)},
+        {"script": "train.py", "args": train_args(tiny_model, train, dev, tmp_path / "out", *flags,
+                                                  "--ddp_find_unused_parameters")},
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "out" / "args.json").read_text())["ddp_find_unused_parameters"] is True
+    assert without.returncode == 1, without.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: some of the model's parameters got no gradient" in without.stderr
+    assert "pass --ddp_find_unused_parameters" in without.stderr
 
 
 def test_evaluate_py_takes_the_task_from_the_run_record(custom_runs, tmp_path):
