@@ -22,7 +22,11 @@ def evaluate(model, dataloader, accelerator, task) -> tuple[dict, dict]:
     model.eval()
     parts = {}
     for batch in dataloader:
-        index = batch.pop(INDEX_COLUMN)
+        index = batch.pop(INDEX_COLUMN, None)
+        if index is None:  # a task author's slip, caught at its first use
+            raise UserError(f"{type(task).__name__}.collator() left each row's {INDEX_COLUMN!r} out of the batch: "
+                            "evaluation puts the gathered outputs back in row order with it; keep it as a tensor "
+                            "(see Task.collator in src/tasks/base.py)")  # fmt: skip
         labelled = "labels" in batch
         with torch.no_grad():
             outputs = task.step(model, batch).outputs

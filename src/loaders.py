@@ -12,6 +12,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorForTokenClassification, DataCollatorWithPadding
 
+from src.errors import UserError
 from src.runtime import local_world_size, usable_cpu_count
 from src.signals import take_sigterm_from_the_rank_only
 
@@ -67,7 +68,13 @@ class LengthGroupedSampler(Sampler[int]):
 
 
 def lengths_of(dataset: Dataset) -> np.ndarray:
-    """The token counts as one array (indexing a `datasets` column row by row costs ~0.1 ms a row)."""
+    """The token counts as one array (indexing a `datasets` column row by row costs ~0.1 ms a row). Every loader
+    starts here, so a task of one's own that left out a column the loaders need learns it here, before training."""
+    missing = [column for column in (INDEX_COLUMN, LENGTH_COLUMN) if column not in dataset.column_names]
+    if missing:
+        raise UserError(f"the task's features() left out the column {' and '.join(map(repr, missing))}: the loaders "
+                        f"batch rows by their token count ({LENGTH_COLUMN!r}) and evaluation puts them back in order "
+                        f"by their position ({INDEX_COLUMN!r}); see Task.features in src/tasks/base.py")  # fmt: skip
     return dataset.with_format("numpy")[LENGTH_COLUMN][:]
 
 

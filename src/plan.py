@@ -40,8 +40,8 @@ def best_metric(args, task) -> tuple[str, bool]:
     name = (args.metric_for_best_model or task.main_metric).removeprefix("eval_")
     known = task.metric_names()
     if name not in known:
-        extra = " or f1/<label>" if any("/" in k for k in known) else ""
-        listed = f"{', '.join(k for k in known if '/' not in k)}{extra}"
+        per_label = dict.fromkeys(f"{k.split('/')[0]}/<label>" for k in known if "/" in k)  # one per kind, in order
+        listed = ", ".join([k for k in known if "/" not in k] + list(per_label))
         if not args.metric_for_best_model:  # the task's own default: a task author's slip, not the user's
             raise UserError(f"{type(task).__name__}.main_metric {name!r} is not in its metric_names() ({listed})")
         raise UserError(

@@ -206,6 +206,31 @@ def test_a_step_without_each_examples_loss_is_one_line_at_the_first_evaluation(t
         run_in_process("train", argv)
 
 
+class NoLengthColumn(BagOfWordsClassification):
+    def features(self, dataset, tokenizer, max_length, num_proc=None):
+        return super().features(dataset, tokenizer, max_length, num_proc).remove_columns("length")
+
+
+class CollatorDropsTheIndex(BagOfWordsClassification):
+    def collator(self, tokenizer, pad_to_multiple_of=None, pad_to_length=None):
+        collate = super().collator(tokenizer, pad_to_multiple_of, pad_to_length)
+        return lambda rows: {key: value for key, value in collate(rows).items() if key != "example_index"}
+
+
+@pytest.mark.parametrize(
+    ("task", "message"),
+    [
+        ("NoLengthColumn", r"the task's features\(\) left out the column 'length': the loaders batch rows by"),
+        ("CollatorDropsTheIndex", r"CollatorDropsTheIndex.collator\(\) left each row's 'example_index' out of"),
+    ],
+)
+def test_a_task_without_the_columns_the_loaders_need_is_one_line(task, message, tiny_model, tiny_data, tmp_path):
+    argv = train_args(tiny_model, *tiny_data, tmp_path / "out", "--task", f"{__name__}:{task}",
+                      "--max_train_steps", "1")  # fmt: skip
+    with pytest.raises(UserError, match=message):
+        run_in_process("train", argv)
+
+
 class WithEvaluationFlag(BagOfWordsClassification):
     """The example task with a flag of its own for evaluate.py, which its from_record reads (and notes here)."""
 

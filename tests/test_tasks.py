@@ -271,15 +271,23 @@ def test_multi_label_metrics_agree_with_scikit_learn():
     assert scores["f1_macro"] == pytest.approx(f1_score(ints, predictions, average="macro", zero_division=0))
     assert [scores[f"f1/{n}"] for n in "abc"] == pytest.approx([1.0, 0.0, 1.0])
     assert check_best_metric(None, task) == "f1_micro" and check_best_metric("eval_f1/b", task) == "f1/b"
-    with pytest.raises(UserError, match="use one of f1_micro, f1_macro, exact_match, loss or f1/<label>"):
+    with pytest.raises(UserError, match="use one of f1_micro, f1_macro, exact_match, loss, f1/<label> "):
         check_best_metric("accuracy", task)
 
 
 def test_a_metric_missing_from_metric_names_says_where_it_belongs():
-    """A metric added to the metric module alone is refused naming metric_names(); a task whose main_metric is not
-    among them is the task author's slip, not a --metric_for_best_model the user never gave."""
+    """A metric added to the metric module alone is refused naming metric_names(), per-label ones by their kind; a
+    task whose main_metric is not among them is the task author's slip, not a --metric_for_best_model the user never
+    gave."""
     with pytest.raises(UserError, match=r"return it from the task's metrics\(\) and name it in metric_names\(\)"):
         check_best_metric("balanced_accuracy", SequenceClassification(SINGLE_LABEL, ("neg", "pos")))
+
+    class RecallPerLabel(SequenceClassification):
+        def metric_names(self):
+            return [*super().metric_names(), *(f"recall/{label}" for label in self.label_names)]
+
+    with pytest.raises(UserError, match=r"use one of accuracy, f1, matthews_correlation, loss, recall/<label> \("):
+        check_best_metric("recall", RecallPerLabel(SINGLE_LABEL, ("neg", "pos")))
 
     class ErrorRate(SequenceClassification):
         main_metric = "error_rate"
