@@ -215,7 +215,9 @@ def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
         return latest
     path = Path(spec)
     if not path.is_dir():
-        raise UserError(f"--resume_from_checkpoint {spec}: no such folder")
+        trainers = spec.lower() == "true"  # Trainer's resume_from_checkpoint=True
+        latest = " (Trainer's True is 'latest' here: the newest checkpoint in --output_dir)" if trainers else ""
+        raise UserError(f"--resume_from_checkpoint {spec}: no such folder{latest}")
     if path.name.endswith(".incomplete"):  # a save cut short, whatever it holds; the next save replaces it
         raise UserError(f"--resume_from_checkpoint {spec}: a save that was cut short; use an earlier checkpoint or "
                         "'latest'")  # fmt: skip

@@ -96,13 +96,16 @@ def test_defaults_are_sensible():
         (["--eval_accumulation_steps", "4"], "--eval_accumulation_steps -> nothing (evaluation gathers each batch"),
         (["--dataset_text_field=text"], "--dataset_text_field -> --text_column"),
         (["--padding_free"], "--padding_free -> --packing"),
+        (["--packing_strategy", "bfd"], "--packing_strategy -> --packing (best-fit decreasing, TRL's bfd"),
+        (["--logging_strategy", "steps"], "--logging_strategy -> --logging_steps N"),
+        (["--cache_dir", "c"], "--cache_dir -> HF_HOME=DIR in the environment"),
         # A launcher's flags after the script, and torch.distributed.launch's.
         (
             ["--num_processes", "2", "--local-rank=0"],
             "--num_processes -> accelerate launch --num_processes N train.py "
             "(the launcher's flags go before the script), --local-rank -> torchrun train.py",
         ),  # fmt: skip
-        (["--eos_token", "</s>"], "unrecognized arguments: --eos_token </s> (see --help)"),  # no --hub_token hint
+        (["--eos_token", "</s>"], "did you mean --eos_token -> --tokenizer_name DIR (a tokenizer"),  # not --hub_token
     ],
 )
 def test_bad_values_get_one_line_naming_the_flag(capsys, argv, culprit):

@@ -135,8 +135,10 @@ def test_broken_checkpoints_get_a_clear_error(tiny_model, data, tmp_path):
     out = tmp_path / "out"
     run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "4"))
     args = train_args(tiny_model, *data, out, "--num_train_epochs", "1")
-    with pytest.raises(train.UserError, match="no such folder"):
+    with pytest.raises(train.UserError, match="no such folder$"):
         run_main(*args, "--resume_from_checkpoint", str(tmp_path / "missing"))
+    with pytest.raises(train.UserError, match=r"True: no such folder \(Trainer's True is 'latest' here"):
+        run_main(*args, "--resume_from_checkpoint", "True")
     incomplete = out / "checkpoint-4"
     state = (incomplete / "training_state.json").read_text()
     (incomplete / "training_state.json").unlink()
