@@ -13,7 +13,7 @@ from conftest import REPO, run_process
 from datasets import Dataset
 
 import src.loaders
-from src.loaders import LENGTH_COLUMN, LengthGroupedSampler, collating_workers, lengths_of
+from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, LengthGroupedSampler, collating_workers, lengths_of
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -53,7 +53,7 @@ def test_sampler_guarantees_hold_with_wide_windows():
 
 
 def test_lengths_of_reads_the_column_in_row_order():
-    dataset = Dataset.from_dict({LENGTH_COLUMN: [5, 3, 9, 1]}).select([3, 2, 1, 0])
+    dataset = Dataset.from_dict({INDEX_COLUMN: [0, 1, 2, 3], LENGTH_COLUMN: [5, 3, 9, 1]}).select([3, 2, 1, 0])
     assert lengths_of(dataset).tolist() == [1, 9, 3, 5]
 
 
