@@ -63,18 +63,19 @@ def errors_reach_every_rank(accelerator, timeout: float | None = None):
 
 @contextmanager
 def unused_parameters_explained():
-    """DDP's error for parameters that got no gradient in a step names DDP's own keyword: here, the flag that sets it.
-    It comes at the next step's forward pass, on every rank alike."""
+    """DDP's error for parameters that got no gradient in a step, while it was not looking for them, names DDP's own
+    keyword: here, the flag that sets it. It comes at the next step's forward pass, on every rank alike. The same error
+    with the search on ("Since `find_unused_parameters=True` is enabled") has another cause and stays as it is."""
     try:
         yield
     except RuntimeError as err:
-        if "find_unused_parameters=True" not in str(err):
+        if "You can enable unused parameter detection" not in str(err):
             raise
         raise UserError(
             "some of the model's parameters got no gradient in a training step (a layer that the forward pass does "
-            "not use, such as the pooler of a BERT AutoModel in a task of your own), which DDP on 2 processes refuses: "
-            "pass --ddp_find_unused_parameters, or leave the layer out (AutoModel.from_pretrained(..., "
-            "add_pooling_layer=False))"
+            "not use, such as the pooler of a BERT AutoModel in a task of your own), which DDP refuses unless it "
+            "looks for them (on by default from 3 processes): pass --ddp_find_unused_parameters, or leave the layer "
+            "out (AutoModel.from_pretrained(..., add_pooling_layer=False))"
         ) from err
 
 

@@ -72,9 +72,10 @@ def lengths_of(dataset: Dataset) -> np.ndarray:
     starts here, so a task of one's own that left out a column the loaders need learns it here, before training."""
     missing = [column for column in (INDEX_COLUMN, LENGTH_COLUMN) if column not in dataset.column_names]
     if missing:
-        raise UserError(f"the task's features() left out the column {' and '.join(map(repr, missing))}: the loaders "
-                        f"batch rows by their token count ({LENGTH_COLUMN!r}) and evaluation puts them back in order "
-                        f"by their position ({INDEX_COLUMN!r}); see Task.features in src/tasks/base.py")  # fmt: skip
+        raise UserError(f"the task's features (from its features(), and training_rows() for training) lack the "
+                        f"column {' and '.join(map(repr, missing))}: the loaders batch rows by their token count "
+                        f"({LENGTH_COLUMN!r}) and evaluation puts them back in order by their position "
+                        f"({INDEX_COLUMN!r}); see Task.features in src/tasks/base.py")  # fmt: skip
     return dataset.with_format("numpy")[LENGTH_COLUMN][:]
 
 

@@ -220,7 +220,7 @@ class CollatorDropsTheIndex(BagOfWordsClassification):
 @pytest.mark.parametrize(
     ("task", "message"),
     [
-        ("NoLengthColumn", r"the task's features\(\) left out the column 'length': the loaders batch rows by"),
+        ("NoLengthColumn", r"training_rows\(\) for training\) lack the column 'length': the loaders batch"),
         ("CollatorDropsTheIndex", r"CollatorDropsTheIndex.collator\(\) left each row's 'example_index' out of"),
     ],
 )

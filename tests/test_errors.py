@@ -13,7 +13,7 @@ from conftest import REPO, free_port, launch, load_script, run_process, sentimen
 
 import src.runtime
 from src.checkpoint import newest_checkpoint
-from src.errors import main_process_first
+from src.errors import UserError, main_process_first, unused_parameters_explained
 
 train = load_script("train")
 evaluate_script = load_script("evaluate")
@@ -40,6 +40,26 @@ def test_data_mistake_on_the_command_line_keeps_the_output_dir(tmp_path, tiny_mo
                         str(tmp_path / "missing.csv"), "--output_dir", str(out))  # fmt: skip
     assert_one_line_error(result, "missing.csv: no such file")
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+
+
+# DDP's two texts of "Expected to have finished reduction in the prior iteration" (torch's reducer.cpp): with the search
+# for unused parameters off, and on. Only the first is what --ddp_find_unused_parameters mends.
+DDP_SEARCH_OFF = ("Expected to have finished reduction in the prior iteration before starting a new one. This error "
+                  "indicates that your module has parameters that were not used in producing loss. You can enable "
+                  "unused parameter detection by passing the keyword argument `find_unused_parameters=True` to "
+                  "`torch.nn.parallel.DistributedDataParallel`, and by making sure all `forward` function outputs "
+                  "participate in calculating loss.")  # fmt: skip
+DDP_SEARCH_ON = ("Expected to have finished reduction in the prior iteration before starting a new one. Since "
+                 "`find_unused_parameters=True` is enabled, this likely  means that not all `forward` outputs "
+                 "participate in computing loss.")  # fmt: skip
+
+
+def test_ddp_unused_parameters_error_names_the_flag_only_where_the_flag_mends_it():
+    with pytest.raises(UserError, match="pass --ddp_find_unused_parameters") as caught, unused_parameters_explained():
+        raise RuntimeError(DDP_SEARCH_OFF)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    with pytest.raises(RuntimeError, match="Since `find_unused_parameters=True`"), unused_parameters_explained():
+        raise RuntimeError(DDP_SEARCH_ON)
 
 
 def test_flag_mistake_is_one_line(tmp_path):
