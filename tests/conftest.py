@@ -16,6 +16,12 @@ from pathlib import Path
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+# The README's command runs 2 pytest-xdist workers, `--dist loadfile` keeping each file on one worker so that its
+# module fixtures (trained models, launches) are built once. The workers share the cores: each torch, in process or
+# in the ranks it launches, would otherwise start a thread per core, and OpenMP threads kept waiting for a busy core
+# cost more than they give.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite tests CPU runs (gloo ranks, the CPU's precision rules, fp32 comparisons): on a machine with GPUs the

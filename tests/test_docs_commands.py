@@ -386,10 +386,11 @@ def test_the_extraction_reads_commands_as_the_shell_would(tmp_path):
 
 
 def test_readme_test_command_is_the_one_ci_runs():
-    """.ci/run runs `python -m pytest -q`; the README must show readers the same command."""
+    """.ci/run runs the suite in 2 pytest-xdist workers; the README must show readers the same command."""
+    command = "python -m pytest -q -n 2 --dist loadfile"
     lines = [text for _, lines in shell_blocks(README) for _, text in lines]
-    assert "python -m pytest -q" in lines
-    assert "python -m pytest -q" in (REPO / ".ci" / "run").read_text().splitlines()
+    assert command in lines
+    assert command in (REPO / ".ci" / "run").read_text().splitlines()
 
 
 def stand_ins(folder: Path):
