@@ -5,6 +5,7 @@ import csv
 import gc
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -17,9 +18,9 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 # The README's command runs 2 pytest-xdist workers, `--dist loadfile` keeping each file on one worker so that its
-# module fixtures (trained models, launches) are built once. The workers share the cores: each torch, in process or
-# in the ranks it launches, would otherwise start a thread per core, and OpenMP threads kept waiting for a busy core
-# cost more than they give.
+# module fixtures (trained models, launches) are built once. The workers share the cores: each run, in process or
+# launched, would otherwise take every core as if alone (src/runtime.py), and OpenMP threads kept waiting for a busy
+# core cost more than they give. An exported OMP_NUM_THREADS is a user's choice there: one thread per process.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -29,6 +30,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # The precision decision's per-machine cache (src/precision.py): the tests neither read nor write the user's.
 os.environ["FINETUNE_CACHE_DIR"] = tempfile.mkdtemp(prefix="finetune-cache-")
+# pytest started in the background by a script (`pytest &`: some CI runners, nohup) finds SIGINT ignored, which
+# train.py rightly keeps and every process a test starts inherits: the Ctrl-C tests run as from a terminal instead.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Collecting the tests imports torch, transformers, datasets and accelerate: no garbage, but the collector would scan
 # what they make over and over. Off until collection has ended, then frozen (never scanned again), as the scripts

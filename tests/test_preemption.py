@@ -364,15 +364,9 @@ def test_a_signal_during_the_final_save_stops_the_run_once_it_is_saved(tiny_mode
 
     PartialState(cpu=True)  # the caller's own Accelerate state (a notebook_launcher function's, say)
     out = tmp_path / "out"
-    # Ctrl-C as Python handles it by default: pytest started in the background by a script (`pytest &`, as some CI
-    # runners and nohup do) finds SIGINT ignored, which train.py rightly leaves ignored.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            train.main(train.parse_train_args(run_args(tiny_model, data, out, 1, "--max_train_steps", "2",
-                                                       "--mixed_precision", "no")))  # fmt: skip
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(train.parse_train_args(run_args(tiny_model, data, out, 1, "--max_train_steps", "2",
+                                                   "--mixed_precision", "no")))  # fmt: skip
     assert stopped.value.code == 128 + signal.SIGINT
     assert (out / "all_results.json").is_file() and (out / "model.safetensors").is_file()
     assert PartialState._shared_state, "main() leaves a state it did not set up"
