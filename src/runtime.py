@@ -106,6 +106,28 @@ def threads_chosen_by_user() -> int | None:
     return int(value)
 
 
+def launched_fewer_than_asked(num_processes: int) -> str | None:
+    """A warning if the `accelerate launch` that started this process (its command line in /proc, on Linux) was asked
+    for more than the run's `num_processes`: its one-process launcher, which `--cpu`, or no saved `accelerate config`
+    and no --multi_gpu, selects, starts one process whatever --num_processes says, and says nothing."""
+    if not under_launcher():
+        return None
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    for flag, following in zip(argv, argv[1:]):
+        name, _, value = flag.partition("=")
+        if name in ("--num_processes", "--num-processes"):
+            asked = value or following
+            if asked.isdigit() and int(asked) > num_processes:
+                return (f"`accelerate launch --num_processes {asked}` started {num_processes} process(es): --cpu, or "
+                        "no saved `accelerate config`, gives its one-process launch; for several CPU processes add "
+                        "--config_file accelerate_configs/cpu.yaml (or --multi_gpu)")  # fmt: skip
+            return None
+    return None
+
+
 def local_world_size() -> int:
     return next((int(os.environ[name]) for name in LOCAL_WORLD_SIZE_VARIABLES if name in os.environ), 1)
 
@@ -149,6 +171,8 @@ def make_accelerator(args, saved_precision: str | None, find_unused_parameters: 
             f"wait for each other; launch at most --num_processes {cores} (with --config_file "
             "accelerate_configs/cpu.yaml, whose threads are set for CPUs)"
         )
+    if warning := launched_fewer_than_asked(state.num_processes):
+        get_logger(__name__).warning(warning)
     precision, reason = choose_precision(args.mixed_precision, on_cpu, saved_precision)
     # DDP reorders its gradient buckets after a process's first step, so the first step after a resume would sum 3 or
     # more ranks' gradients in another order than the uninterrupted run (2 sum alike in any order). Looking for unused

@@ -24,7 +24,7 @@ from conftest import (
 )
 from datasets import Dataset
 
-from src.data import check_column_flags
+from src.data import check_column_flags, detect_columns
 from src.errors import UserError
 from src.model import default_model_path, load_tokenizer
 from src.plan import best_metric, learning_rate
@@ -172,6 +172,13 @@ def test_the_format_is_found_from_the_columns():
         cls, _ = detect_task(Dataset.from_list([row]))
         assert cls is CausalLM and CausalLM.from_data(options(), Dataset.from_list([row])).format == fmt
     assert detect_task(Dataset.from_list([{"text": "a", "label": 1}]))[0].name == "sequence-classification"
+    # Beside other columns `text` may be a classifier's, with a label column of another name: the classifier's
+    # error then asks for --label_column (or --task causal-lm), rather than a language model being trained.
+    scored = Dataset.from_list([{"text": "a", "score": 0.5}])
+    assert detect_task(scored)[0].name == "sequence-classification"
+    with pytest.raises(UserError, match="no label column found .* --label_column .* --task causal-lm"):
+        detect_columns(scored.column_names)  # what the classifier reads its columns with
+    assert CausalLM.from_data(options(), scored).format == TEXT  # --task causal-lm: the text, as asked
     with pytest.raises(UserError, match="the columns are sentence, label"):
         CausalLM.from_data(options(), Dataset.from_list([{"sentence": "a", "label": 1}]))
     # TRL's conversational prompt-completion: prompt and completion as turns, to be written as one chat instead.

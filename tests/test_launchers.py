@@ -27,7 +27,8 @@ sys.path.insert(0, {str(REPO)!r})
 import src.runtime
 src.runtime.physical_cores = lambda: {CORES}
 with open("rank-" + os.environ.get("RANK", "0") + ".json", "w") as report:  # in the test's folder, one per process
-    json.dump(src.runtime.set_cpu_threads(None), report)
+    processes = int(os.environ.get("WORLD_SIZE", 1))
+    json.dump([src.runtime.set_cpu_threads(None), src.runtime.launched_fewer_than_asked(processes)], report)
 """
 
 
@@ -36,6 +37,7 @@ def launcher(kind: str) -> list[str]:
     return {
         "python": [sys.executable],
         "accelerate": [sys.executable, "-m", "accelerate.commands.launch"],
+        "accelerate --cpu": [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"],
         "accelerate cpu.yaml": [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
                                 "--num_processes", "2", "--main_process_port", port],
         "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port],
@@ -46,6 +48,7 @@ def launcher(kind: str) -> list[str]:
 THREAD_CASES = [
     ("python", None, [CORES]),
     ("accelerate", None, [CORES]),  # the launcher wrote OMP_NUM_THREADS=1
+    ("accelerate --cpu", None, [CORES]),  # one process whatever --num_processes says: a warning (below)
     ("accelerate cpu.yaml", None, [SHARE, SHARE]),
     ("torchrun", None, [SHARE, SHARE]),
     ("accelerate", "1", [1]),  # the user's 1, exported before launching
@@ -55,7 +58,8 @@ THREAD_CASES = [
 
 
 def probe_threads(folder, kind, exported):
-    """The threads each process of a launch under `kind` took, or the launch's error output."""
+    """[threads, warning of launched_fewer_than_asked] of each process of a launch under `kind`, or the launch's
+    error output."""
     folder.mkdir()
     (folder / "probe.py").write_text(PROBE)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
@@ -80,7 +84,16 @@ def launched_threads(tmp_path_factory):
 
 @pytest.mark.parametrize("kind,exported,expected", THREAD_CASES)
 def test_threads_per_process_under_each_launcher(launched_threads, kind, exported, expected):
-    assert launched_threads[kind, exported] == expected
+    assert [threads for threads, _ in launched_threads[kind, exported]] == expected
+
+
+def test_a_launch_of_fewer_processes_than_asked_is_said(launched_threads):
+    """`accelerate launch --cpu --num_processes 2` runs one process (accelerate's one-process launcher), silently;
+    the run says so, and how to get two. The other launches start what they were asked for: no warning."""
+    warnings = {case: [warning for _, warning in report] for case, report in launched_threads.items()}
+    [warning] = warnings.pop(("accelerate --cpu", None))
+    assert "--num_processes 2` started 1 process" in warning and "accelerate_configs/cpu.yaml" in warning
+    assert all(warning is None for report in warnings.values() for warning in report)
 
 
 def record_threads(folder):

@@ -85,8 +85,12 @@ class CausalLM(Task):
     @staticmethod
     def recognises(train: Dataset, label_column: str | None = None) -> str | None:
         fmt = _format_of(train.column_names, label_column)
+        if fmt == TEXT and len(train.column_names) > 1:
+            # `text` beside other columns is as likely a classifier's data whose label column has another name
+            # (`text,score`): the classifier's error asks for --label_column, or --task causal-lm for this.
+            return None
         return fmt and {CHAT: "a column of chat messages", PROMPT_COMPLETION: "prompt and completion columns",
-                        TEXT: "a text column without labels"}[fmt]  # fmt: skip
+                        TEXT: "a lone text column"}[fmt]  # fmt: skip
 
     @classmethod
     def from_data(cls, args, train: Dataset) -> "CausalLM":
