@@ -5,9 +5,11 @@ data: to try train.py's large-model paths (LoRA, FSDP, memory) with nothing to d
     accelerate launch train.py --model_name_or_path /tmp/llama-1b --train_file /tmp/long-texts/train.csv \
         --validation_file /tmp/long-texts/dev.csv --max_length 256 --use_peft
 
-The sizes are Llama 3.2 1B's and Llama 3.1 8B's shapes (128,256-token embeddings); the tokenizer knows only the
-words of the demo task (`src/demo_data.py`), and the data are its sentences strung together, labelled by the last
-one. Weights are random: the point is memory, speed and mechanics, not accuracy.
+The sizes are Llama 3.2 1B's and Llama 3.1 8B's shapes (128,256-token embeddings), and a tiny one for a first try
+on a CPU. The tokenizer is the packaged all-MiniLM-L6-v2's English WordPiece vocabulary (lower-cased), with Llama
+3's BOS and EOS added, so that real text (the chat and instruction data in ../shared/data) is tokenized into words
+and pieces, not unknown tokens. The --data texts are the demo task's sentences (`src/demo_data.py`) strung together,
+labelled by the last one. Weights are random: the point is memory, speed and mechanics, not accuracy.
 """
 
 import argparse
@@ -17,28 +19,30 @@ import sys
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer, processors
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from src.demo_data import LABEL_NAMES, NEGATIVE, POSITIVE, SUBJECTS, TEMPLATES, _sentence  # noqa: E402
+from src.demo_data import LABEL_NAMES, _sentence  # noqa: E402
+from src.model import default_model_path  # noqa: E402
 
 # (hidden size, MLP size, layers, attention heads, key-value heads)
 SIZES = {"tiny": (64, 128, 2, 4, 2), "1b": (2048, 8192, 16, 32, 8), "8b": (4096, 14336, 32, 32, 8)}
-BOS, EOS, UNK = "<|begin_of_text|>", "<|end_of_text|>", "<unk>"
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
-    """Word-level, over the demo task's words; adds BOS like Llama 3's, and has no padding token like it."""
-    texts = SUBJECTS + [template.replace("{", " ").replace("}", " ") for template, _ in TEMPLATES]
-    words = {word for text in texts for word in text.split()} | {"."}  # "." joins sentences in --data
-    vocabulary = {token: i for i, token in enumerate([UNK, BOS, EOS, *sorted(words | set(POSITIVE) | set(NEGATIVE))])}
-    backend = Tokenizer(models.WordLevel(vocabulary, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    """MiniLM's WordPiece (30,522 English words and pieces) that adds BOS like Llama 3's instead of BERT's [CLS] and
+    [SEP], and has no padding token, like it."""
+    backend = Tokenizer.from_file(str(Path(default_model_path()) / "tokenizer.json"))
+    backend.no_truncation()  # MiniLM's file cuts at 128 tokens and pads: the tokenizer's caller decides both
+    backend.no_padding()
+    backend.add_special_tokens([AddedToken(BOS, special=True), AddedToken(EOS, special=True)])
+    bos_id = backend.token_to_id(BOS)
     backend.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocabulary[BOS])]
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
     )
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, unk_token=UNK)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, unk_token="[UNK]")
 
 
 def write_data(folder: Path, words: int, rows: int, seed: int = 0):
@@ -57,8 +61,10 @@ def write_data(folder: Path, words: int, rows: int, seed: int = 0):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=SIZES, default="1b")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--size", choices=SIZES, default="tiny", help="Layers and widths: see SIZES.")
     parser.add_argument("--output", type=Path, required=True, help="Folder for the model and tokenizer.")
     parser.add_argument("--data", type=Path, help="Also write train.csv and dev.csv of long texts here.")
     parser.add_argument("--words", type=int, default=200, help="Words per text in --data.")
@@ -84,7 +90,7 @@ def main():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(args.output)
     tokenizer.save_pretrained(args.output)
-    print(f"{args.output}: {model.num_parameters() / 1e9:.2f}B parameters (bf16), tokenizer without a padding token")
+    print(f"{args.output}: {model.num_parameters() / 1e6:,.1f}M parameters (bf16), tokenizer without a padding token")
     if args.data:
         write_data(args.data, args.words, args.rows)
         print(f"{args.data}: train.csv and dev.csv, {args.words} words per text")
