@@ -32,7 +32,9 @@ def plot_training_curves(records: list[dict], path: Path) -> dict[str, tuple[lis
         points = [(r["step"], r[key]) for r in source if key in r]
         if points:
             steps, values = zip(*points)
-            ax.plot(steps, values, marker="o" if key.startswith("eval_") else None, markersize=4)
+            # Evaluations as points; a series of one point (a short run's one log) too, or it would not show.
+            dots = key.startswith("eval_") or len(points) == 1
+            ax.plot(steps, values, marker="o" if dots else None, markersize=4)
         ax.set_title(title if key == "loss" or key == "learning_rate" else f"validation {title}")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -5,6 +5,7 @@ transformers, one row at a time), never against the files the same call wrote.
 """
 
 import json
+import re
 import shutil
 
 import pytest
@@ -17,6 +18,7 @@ from conftest import (
     load_script,
     reference_logits,
     run_in_process,
+    run_model_card_snippet,
     score_rows,
     sentiment_rows,
     tensor_names,
@@ -69,6 +71,22 @@ def recording(monkeypatch, module, name) -> list:
     original, calls = getattr(module, name), []
     monkeypatch.setattr(module, name, lambda *args: calls.append(original(*args)))
     return calls
+
+
+def test_a_series_of_one_point_is_drawn_as_a_dot(tmp_path, monkeypatch):
+    """A short run logs its training loss once: drawn as a line only, one point would not show."""
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(plt, "close", lambda figure: None)  # kept open, to be read back
+    records = [
+        {"step": 6, "loss": 0.7, "learning_rate": 1e-5},
+        {"step": 2, "eval_loss": 0.8},
+        {"step": 6, "eval_loss": 0.6},
+    ]
+    src.plots.plot_training_curves(records, tmp_path / "curves.png")
+    markers = {ax.get_title(): ax.lines[0].get_marker() for ax in plt.gcf().axes}
+    assert markers == {"training loss": "o", "learning rate": "o", "validation loss": "o"}
+    plt.close("all")
 
 
 def test_classification_end_to_end(tiny_model, tiny_data, tmp_path, monkeypatch):
@@ -138,6 +156,10 @@ def test_regression_with_text_pairs(tiny_model, tmp_path, monkeypatch):
     args = json.loads((out / "args.json").read_text())
     assert (args["text_column"], args["text_pair_column"]) == ("sentence1", "sentence2")
     assert args["metric_for_best_model"] == "mse" and args["greater_is_better"] is False
+    # The model card's snippet gives the pipeline both texts, and prints the model's score of the pair.
+    [pair_score] = reference_logits(out, ["First text"], ["Second text"]).squeeze(-1).tolist()
+    printed = run_model_card_snippet(out)
+    assert float(re.search(r"'score': ([-\d.e]+)", printed).group(1)) == pytest.approx(pair_score, abs=1e-4), printed
 
     points = recording(monkeypatch, src.plots, "plot_regression")
     metrics = run_evaluate("--model_name_or_path", out, "--validation_file", dev_file, "--output_dir", tmp_path / "e")

@@ -339,12 +339,16 @@ class SequenceClassification(Task):
             usage = self.adapter_usage(where, base_name)
         else:
             top_k = ", top_k=None" if self.is_multi_label else ""
+            pair = self.columns[1] is not None  # trained on text pairs: the pipeline takes both, in one dict
+            text = '{"text": "First text", "text_pair": "Second text"}' if pair else '"Your text here"'
             usage = [
                 "from transformers import pipeline",
                 "",
                 f'classifier = pipeline("text-classification", model="{where}"{top_k})',
-                'print(classifier("Your text here"))',
+                f"print(classifier({text}))",
             ]
+            if self.is_regression:
+                usage.append("# {'label': 'LABEL_0', 'score': the predicted value}")
             if self.is_multi_label:
                 usage.append(
                     f"# every label with its sigmoid score; the run predicts the labels scoring above {self.threshold}"
