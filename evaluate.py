@@ -123,7 +123,7 @@ def evaluate_model(args) -> dict:
         try:
             cls = task_class(spec)
         except UserError as err:
-            raise UserError(f"{args.model_name_or_path} was trained with {err}; make it importable here") from err
+            raise UserError(f"{args.model_name_or_path} was trained with {err}") from err
         task = cls.from_record(record, args, args.model_name_or_path, data.column_names)
         tokenizer = task.load_tokenizer(args.model_name_or_path, args)
         prompts = task.prompts(data, tokenizer) if args.predict_with_generate else None

@@ -24,7 +24,7 @@ def task_class(spec: str):
     try:
         found = getattr(importlib.import_module(module_name), class_name)
     except ImportError as err:
-        raise UserError(f"--task {spec}: cannot import {module_name} ({err}); is it on PYTHONPATH?") from err
+        raise UserError(f"--task {spec}: cannot import {module_name} ({err}): is its folder on PYTHONPATH?") from err
     except AttributeError as err:
         raise UserError(f"--task {spec}: {module_name} has no {class_name}") from err
     from src.tasks.base import Task

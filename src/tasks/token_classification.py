@@ -73,6 +73,10 @@ class TokenClassification(Task):
             for row, tags_of_row in enumerate(train[tags]):
                 _refuse_nulls(tags_of_row, row, tags, "tags")
                 values.update(tags_of_row)
+            if values and all(isinstance(value, str) and _is_iob(value) for value in values):
+                # IOB2 types come in pairs: one seen only as B-PER (one-word names, in a small sample) gets I-PER too,
+                # which --label_all_tokens gives a name's later sub-tokens, and validation data may hold.
+                values |= {f"{edge}-{tag[2:]}" for tag in values if tag != "O" for edge in "BI"}
             # Tag numbers without ClassLabel names (a Hub dataset saved as JSON) are named by their numbers.
             names = [str(value) for value in sorted(values)]
         task = cls(
@@ -82,12 +86,7 @@ class TokenClassification(Task):
         if 0 < len(odd) < len(names) / 2:  # a few rows' slips turn entity F1 into per-word accuracy
             logger.warning(f"{tags!r} holds IOB entity tags and {', '.join(map(repr, odd[:5]))}, which are not: "
                            "scored per word, not by entity; fix those rows for entity-level F1")  # fmt: skip
-        if task.return_entity_level_metrics and not task.iob:
-            raise UserError(
-                f"--return_entity_level_metrics scores entities of IOB tags (B-X, I-X, O), and {tags!r} holds other "
-                f"tags ({', '.join(names[:5])}, ...), scored by accuracy and F1 per word: drop the flag"
-            )
-        return task
+        return task.entity_scores_possible()
 
     @classmethod
     def from_record(cls, record: dict, args, model_dir, column_names: list[str]) -> "TokenClassification":
@@ -106,7 +105,24 @@ class TokenClassification(Task):
         if words not in column_names:
             raise UserError(f"the data has no column {words!r} of words (its columns: {', '.join(column_names)}): name "
                             "it with --text_column (and the tags' with --label_column)")  # fmt: skip
-        return cls(names, columns, record.get("label_all_tokens", False), record.get("return_entity_level_metrics"))
+        asked = getattr(args, "return_entity_level_metrics", None)  # evaluate.py's flag, else the run's
+        entity_level = record.get("return_entity_level_metrics", False) if asked is None else asked
+        task = cls(names, columns, record.get("label_all_tokens", False), entity_level)
+        # A run's record from before the refusal may hold the flag with other tags: those get per-word scores.
+        return task.entity_scores_possible() if asked else task
+
+    @staticmethod
+    def add_evaluation_arguments(parser):
+        flag = "--return_entity_level_metrics"
+        parser.add_argument(flag, action=Switch, default=None, help=f"{FLAGS[flag]} Default: the training run's.")
+
+    def entity_scores_possible(self) -> "TokenClassification":
+        if self.return_entity_level_metrics and not self.iob:
+            raise UserError(
+                f"--return_entity_level_metrics scores entities of IOB tags (B-X, I-X, O), and the tags are others "
+                f"({', '.join(self.label_names[:5])}, ...), scored by accuracy and F1 per word: drop the flag"
+            )
+        return self
 
     def record(self) -> dict:
         return {"text_column": self.columns[0], "label_column": self.columns[1],
@@ -272,8 +288,10 @@ class TokenClassification(Task):
             return ["accuracy", "f1", "loss"]
         names = ["precision", "recall", "f1", "accuracy", "loss"]
         if self.return_entity_level_metrics:  # LOC_f1 and the like can pick the best model too
-            names += [f"overall_{key}" for key in OVERALL] + [
-                f"{entity}_{key}" for entity in self.entity_types() for key in ENTITY_SCORES]  # fmt: skip
+            # Not LOC_number: a count of the data's entities, the same at every evaluation, would rank nothing.
+            scores = [key for key in ENTITY_SCORES if key != "number"]
+            names += [f"overall_{key}" for key in OVERALL]
+            names += [f"{entity}_{key}" for entity in self.entity_types() for key in scores]
         return names
 
     def metrics(self, columns: dict) -> dict:
