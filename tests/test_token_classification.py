@@ -322,6 +322,21 @@ def test_ner_reports_entity_level_metrics_and_evaluate_py_reproduces_them(ner_ru
     assert printed.startswith("[") and ("entity_group" in printed or printed.strip() == "[]"), printed
 
 
+def test_a_tagger_of_your_own_reads_its_tags_from_its_own_files(tmp_path):
+    """A task built on TokenClassification whose model is not a Transformers model (no config.json) says where its
+    tags are saved: evaluate.py's from_record reads them through trained_labels(), as for sequence classification."""
+
+    class OwnTagger(TokenClassification):
+        @staticmethod
+        def trained_labels(model_dir, args):
+            return json.loads((model_dir / "tags.json").read_text())
+
+    (tmp_path / "tags.json").write_text(json.dumps(["B-X", "I-X", "O"]))
+    record = {"text_column": "tokens", "label_column": "ner_tags"}
+    task = OwnTagger.from_record(record, flags(trust_remote_code=False), tmp_path, ["tokens", "ner_tags"])
+    assert task.label_names == ("B-X", "I-X", "O") and task.columns == ("tokens", "ner_tags")
+
+
 def test_evaluating_data_without_the_word_column_names_the_flags(ner_run):
     record = json.loads((ner_run["out"] / "args.json").read_text())
     with pytest.raises(

@@ -90,10 +90,7 @@ class TokenClassification(Task):
 
     @classmethod
     def from_record(cls, record: dict, args, model_dir, column_names: list[str]) -> "TokenClassification":
-        from src.model import load_trained_config
-
-        config = load_trained_config(model_dir, args.trust_remote_code)
-        names = tuple(config.id2label[i] for i in range(config.num_labels))
+        names = tuple(cls.trained_labels(model_dir, args))
         # The columns named, else the training run's, else (a model from elsewhere) the usual names.
         words = (
             args.text_column or record.get("text_column") or next((c for c in WORD_COLUMNS if c in column_names), None)
@@ -110,6 +107,14 @@ class TokenClassification(Task):
         task = cls(names, columns, record.get("label_all_tokens", False), entity_level)
         # A run's record from before the refusal may hold the flag with other tags: those get per-word scores.
         return task.entity_scores_possible() if asked else task
+
+    @staticmethod
+    def trained_labels(model_dir, args) -> list[str]:
+        """The tags of a trained model, from its config (a task of your own whose model has none: from its files)."""
+        from src.model import load_trained_config
+
+        config = load_trained_config(model_dir, args.trust_remote_code)
+        return [config.id2label[i] for i in range(config.num_labels)]
 
     @staticmethod
     def add_evaluation_arguments(parser):
