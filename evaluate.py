@@ -78,6 +78,11 @@ def _data_of_the_run(args) -> str:
     if record.get("dataset_name"):
         config = f" --dataset_config_name {record['dataset_config_name']}" if record.get("dataset_config_name") else ""
         return f" (the model was evaluated in training on --dataset_name {record['dataset_name']}{config})"
+    if record.get("train_file"):  # its validation rows were drawn from it: a file of other rows is the fair test
+        return (
+            f" (the model was evaluated in training on {record.get('validation_split_percentage')}% of --train_file "
+            f"{record['train_file']}, held out at random: give a file of rows it did not train on)"
+        )
     return ""
 
 

@@ -60,6 +60,8 @@ UPSTREAM_FLAGS = {
     "--lora_modules_to_save": "nothing (the task's new head trains in full beside the adapters)",
     "--use_rslora": "nothing (plain LoRA; its configuration: src/lora.py)",
     "--use_dora": "nothing (plain LoRA; its configuration: src/lora.py)",
+    "--lora_task_type": "nothing (the task gives LoRA its type: SEQ_CLS, TOKEN_CLS or CAUSAL_LM)",
+    "--debug": "--max_train_samples N --max_eval_samples N (run_ner_no_trainer.py's --debug keeps 100 rows)",
     "--logging_strategy": "--logging_steps N",
     "--eval_on_start": "nothing (the first evaluation comes at --eval_steps N or the epoch's end)",
     "--save_only_model": "nothing (the output folder holds the model; checkpoints keep the optimizer for resuming)",
@@ -153,7 +155,7 @@ _non_negative_int = _number(int, lambda v: v >= 0, "0 or more")
 _positive_float = _number(float, lambda v: 0 < v < math.inf, "a positive number")
 _non_negative_float = _number(float, lambda v: 0 <= v < math.inf, "0 or more")
 _fraction = _number(float, lambda v: 0 <= v < 1, "in [0, 1)")
-_threshold = _number(float, lambda v: 0 < v < 1, "between 0 and 1")
+_threshold = _number(float, lambda v: 0 < v < 1, "above 0 and below 1")
 _seed = _number(int, lambda v: 0 <= v < 2**32, "between 0 and 4294967295 (numpy's seeds)")
 
 

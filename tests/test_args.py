@@ -99,6 +99,8 @@ def test_defaults_are_sensible():
         (["--packing_strategy", "bfd"], "--packing_strategy -> --packing (best-fit decreasing, TRL's bfd"),
         (["--logging_strategy", "steps"], "--logging_strategy -> --logging_steps N"),
         (["--cache_dir", "c"], "--cache_dir -> HF_HOME=DIR in the environment"),
+        (["--debug"], "--debug -> --max_train_samples N --max_eval_samples N"),  # run_ner_no_trainer.py's
+        (["--lora_task_type", "CAUSAL_LM"], "--lora_task_type -> nothing (the task gives LoRA its type"),  # TRL's
         # A launcher's flags after the script, and torch.distributed.launch's.
         (
             ["--num_processes", "2", "--local-rank=0"],
@@ -242,6 +244,10 @@ def test_evaluate_needs_a_model_from_the_command_line_or_its_config(tmp_path, ca
     assert "--dataset_name (the model was evaluated in training on --validation_file data/dev.jsonl)" in (
         capsys.readouterr().err
     )
+    (run / "args.json").write_text(json.dumps({"train_file": "all.csv", "validation_split_percentage": 10}))
+    with pytest.raises(SystemExit):
+        parse_eval_args(["--model_name_or_path", str(run)])
+    assert "evaluated in training on 10% of --train_file all.csv, held out at random" in capsys.readouterr().err
     config = tmp_path / "eval.yaml"
     config.write_text(f"model_name_or_path: {tmp_path}\nvalidation_file: dev.csv\n")
     args = parse_eval_args(["--config", str(config)])

@@ -88,7 +88,7 @@ def test_missing_columns_list_what_exists():
     assert detect_columns(["review"], text_column="review", need_label=False) == ("review", None, None)
 
 
-def test_label_kinds(tmp_path):
+def test_label_kinds(tmp_path, tiny_model):
     def names(values):
         rows = [{"sentence": "x", "label": v} for v in values]
         return detect_task(load_file(write_rows(tmp_path / "d.jsonl", rows)), "label")
@@ -97,6 +97,11 @@ def test_label_kinds(tmp_path):
     assert names(["pos", "neg", "pos"]) == SequenceClassification(SINGLE_LABEL, ("neg", "pos"), columns=columns)
     assert names([10, 2, 2]) == SequenceClassification(SINGLE_LABEL, ("2", "10"), columns=columns)
     assert names([0.5, 1.25]).is_regression
+    # True/False (pandas' to_csv of a flag): two classes, by those names.
+    flags = load_file(write_rows(tmp_path / "b.csv", [{"sentence": "x", "label": v} for v in (True, False, True)]))
+    task = detect_task(flags, "label")
+    assert task == SequenceClassification(SINGLE_LABEL, ("False", "True"), columns=columns)
+    assert task.features(flags, AutoTokenizer.from_pretrained(tiny_model), 16)["labels"] == [1, 0, 1]
     assert detect_task(make_demo_splits(10, 10)["train"], "label").label_names == ("negative", "positive")
     with pytest.raises(UserError, match="empty values"):
         names(["pos", None])

@@ -673,7 +673,7 @@ def test_trust_remote_code_from_a_config_file(tmp_path):
         (["--hub_model_id", "me/model"], "--hub_model_id is for --push_to_hub"),
         (["--push_to_hub", "--hub_model_id", "a/b/c"], "--hub_model_id 'a/b/c' is not a Hub repository name"),
         (["--push_to_hub", "--output_dir", "/tmp/my run!"], "--output_dir's name 'my run!' is not a Hub repository"),
-        (["--multi_label_threshold", "1.5"], "--multi_label_threshold: must be between 0 and 1"),
+        (["--multi_label_threshold", "0"], "--multi_label_threshold: must be above 0 and below 1, got 0"),
         (["--trust_remote_code", "maybe"], "--trust_remote_code/--no-trust_remote_code: must be true or false"),
         (["--task_name", "squad"], "--task_name: 'squad' is not a GLUE task (cola, sst2,"),
         (["--class_weights", "inverse"], "--class_weights: invalid choice"),

@@ -417,7 +417,7 @@ def _single_value_task(cls, dataset: Dataset, label_column: str, feature) -> Seq
             logger.warning(f"label column {label_column!r} holds whole numbers written as floats ({shown}): trained as "
                            "regression; if they are classes, write them as integers (1, not 1.0)")  # fmt: skip
         return cls(REGRESSION)
-    if feature.dtype.startswith(("int", "uint")):
+    if feature.dtype.startswith(("int", "uint")) or feature.dtype == "bool":  # True/False: pandas' to_csv of a flag
         return cls(SINGLE_LABEL, tuple(str(v) for v in sorted(values)))
     if feature.dtype in ("string", "large_string"):
         if commas := [value for value in values if "," in value]:  # "neg,long": a CSV cell cannot hold a list
@@ -435,7 +435,9 @@ def _single_value_task(cls, dataset: Dataset, label_column: str, feature) -> Seq
                 "one class; for token classification, give lists of words and tags in a .jsonl or .parquet file"
             )
         return cls(SINGLE_LABEL, tuple(sorted(values)))
-    raise UserError(f"label column {label_column!r} has type {feature.dtype}; use integers, strings or floats")
+    raise UserError(
+        f"label column {label_column!r} has type {feature.dtype}; use integers, strings, booleans or floats"
+    )
 
 
 def _blank_texts(dataset: Dataset, column: str) -> int:
