@@ -322,6 +322,25 @@ def test_ner_reports_entity_level_metrics_and_evaluate_py_reproduces_them(ner_ru
     assert printed.startswith("[") and ("entity_group" in printed or printed.strip() == "[]"), printed
 
 
+def test_a_loss_of_your_own_is_one_method():
+    """The tagger's step() takes each sub-token's loss from losses(): another loss (label smoothing, say) overrides
+    that alone, and training and evaluation both use it."""
+
+    class Smoothed(TokenClassification):
+        def losses(self, logits, labels):
+            return torch.nn.functional.cross_entropy(
+                logits.transpose(1, 2), labels, ignore_index=IGNORE, label_smoothing=0.1, reduction="none"
+            )
+
+    logits, labels = torch.randn(2, 4, 3), torch.tensor([[IGNORE, 0, 2, IGNORE], [IGNORE, 1, IGNORE, IGNORE]])
+    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": labels}
+    step = Smoothed(("B-X", "I-X", "O")).step(lambda **_: {"logits": logits}, dict(batch))
+    smoothed = torch.nn.functional.cross_entropy(
+        logits[labels != IGNORE], labels[labels != IGNORE], label_smoothing=0.1
+    )
+    assert step.units == 3 and step.loss == pytest.approx(3 * smoothed.item(), rel=1e-6)
+
+
 def test_a_tagger_of_your_own_reads_its_tags_from_its_own_files(tmp_path):
     """A task built on TokenClassification whose model is not a Transformers model (no config.json) says where its
     tags are saved: evaluate.py's from_record reads them through trained_labels(), as for sequence classification."""

@@ -270,10 +270,14 @@ class TokenClassification(Task):
         outputs = {"prediction": logits.argmax(-1)} | ({} if word_ids is None else {WORD_IDS: word_ids})
         if labels is None:
             return Step(logits.new_zeros(()), logits.new_zeros(()), outputs)
-        losses = token_cross_entropy(logits, labels)
+        losses = self.losses(logits, labels)
         units = (labels != IGNORE).sum(-1)
         outputs |= {"label": labels, "loss": losses.sum(-1), "units": units}
         return Step(losses.sum(), units.sum(), outputs)
+
+    def losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each sub-token's loss, (batch, length), 0 where its label is IGNORE."""
+        return token_cross_entropy(logits, labels)
 
     # --- evaluation ---
     def tag_rows(self, columns: dict) -> tuple[list[list[str]], list[list[str]]]:
