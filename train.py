@@ -48,7 +48,14 @@ from src.checkpoint import (
     save_checkpoint,
 )
 from src.data import check_columns, load_raw_splits
-from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli, unused_parameters_explained
+from src.errors import (
+    UserError,
+    about,
+    errors_reach_every_rank,
+    main_process_first,
+    run_cli,
+    unused_parameters_explained,
+)
 from src.evaluation import evaluate, evaluate_more
 from src.hub import check_hub_access, push_to_hub, upload_command
 from src.loaders import build_eval_dataloader, build_train_dataloader, collating_workers, padding_options
@@ -125,9 +132,10 @@ def load_data_and_model(args, accelerator):
             args.max_length, tokenizer, getattr(model, "config", None), default=task.default_max_length
         )
     with main_process_first(accelerator, args.data_preparation_timeout):
-        # 'train', 'validation' and any further validation split (MNLI's 'validation_mismatched').
-        splits = {name: task.features(split, tokenizer, max_length, args.preprocessing_num_workers)
-                  for name, split in raw.items()}  # fmt: skip
+        splits = {}
+        for name, split in raw.items():  # 'train', 'validation', any further one (MNLI's 'validation_mismatched')
+            with about(f"the {name} data"):  # a row's mistake, said with the split it is in
+                splits[name] = task.features(split, tokenizer, max_length, args.preprocessing_num_workers)
         splits["train"] = task.training_rows(splits["train"], max_length)
         empty = [name for name, split in splits.items() if not len(split)]
         if empty:  # every row dropped: nothing to learn within max_length (see the task's warning)

@@ -14,6 +14,15 @@ class UserError(Exception):
 
 
 @contextmanager
+def about(what: str):
+    """A UserError raised within names `what` first: "the validation data: label column 'label' has empty values"."""
+    try:
+        yield
+    except UserError as err:
+        raise UserError(f"{what}: {err}") from err
+
+
+@contextmanager
 def main_process_first(accelerator, timeout: float | None = None):
     """`accelerator.main_process_first()`, except that a failure on the main process (a mistake in the data, a
     download that fails) stops every rank with its message, instead of leaving the others in a barrier that fails

@@ -135,6 +135,11 @@ def test_missing_labels_in_training_data(tmp_path, tiny_model):
     args = train_args(tiny_model, train_file, train_file, tmp_path / "out")
     with pytest.raises(train.UserError, match="label column 'label' has empty values"):
         train.main(train.parse_train_args(args))
+    # Only in the validation data: the error says which split holds the row.
+    clean = write_rows(tmp_path / "clean.jsonl", [{"sentence": "bad", "label": "negative"}, *rows[:1]] * 4)
+    args = train_args(tiny_model, clean, train_file, tmp_path / "out")
+    with pytest.raises(train.UserError, match="^the validation data: label column 'label' has empty values"):
+        train.main(train.parse_train_args(args))
 
 
 def test_too_few_rows_to_hold_some_out_for_validation_is_one_line(tmp_path, tiny_model):
