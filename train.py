@@ -365,7 +365,7 @@ def train_loop(run: Run) -> int | None:
             # Out of time on the run's last step changes nothing: it ends as it would. A signal still stops it at once
             # with a checkpoint (the job's grace time may not hold the final save); the resumed run then finishes.
             finished = (run.early_stop or done) and not signum
-            if not saved and (periodic or signum or out_of_time and not finished):
+            if not saved and (periodic or signum or (out_of_time and not finished)):
                 checkpoint(run)
             if finished:
                 break

@@ -8,6 +8,7 @@ validation and the command line wins.
 import argparse
 import difflib
 import importlib.util
+import json
 import math
 import os
 import re
@@ -170,6 +171,17 @@ def _glue_task(text):
 
 
 YES_NO = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def _json_object(text) -> dict:
+    """An argparse type: a JSON object, as Trainer's dict flags take on the command line."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, as '{{\"num_cycles\": 2}}', got {text!r}")
+    return value
 
 
 def _path(text) -> Path:
@@ -489,6 +501,13 @@ def build_train_parser(task_classes=None) -> ArgumentParser:
         "--weight_decay", type=_non_negative_float, default=0.01, help="AdamW decay (not on biases or norms)."
     )
     train.add_argument("--lr_scheduler_type", choices=SCHEDULERS, default="linear", help="Learning-rate schedule.")
+    train.add_argument(
+        "--lr_scheduler_kwargs",
+        type=_json_object,
+        metavar="JSON",
+        help="The schedule's own arguments (Trainer's flag): '{\"num_cycles\": 3}' for cosine_with_restarts (default "
+        "1: plain cosine), '{\"power\": 2.0}' for polynomial (default 1: linear).",
+    )
     train.add_argument("--warmup_ratio", type=_fraction, default=0.1, help="Fraction of steps spent warming up.")
     train.add_argument("--num_warmup_steps", type=_non_negative_int, help="Warmup steps; wins over --warmup_ratio.")
     train.add_argument("--max_grad_norm", type=_non_negative_float, default=1.0, help="Gradient clipping; 0: none.")

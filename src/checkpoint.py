@@ -262,6 +262,7 @@ SAME_ON_RESUME = (
     "learning_rate",
     "weight_decay",
     "lr_scheduler_type",
+    "lr_scheduler_kwargs",
     "warmup_ratio",
     "num_warmup_steps",
     # What the best model so far was chosen by: another metric's value would be compared with the saved best, and

@@ -7,6 +7,7 @@ from pathlib import Path
 from accelerate.utils import DistributedType
 from peft import LoraConfig, PeftConfig, PeftModel, TaskType, get_peft_model
 from safetensors.torch import load_model as load_safetensors
+from torch.nn import Linear
 from transformers import AutoConfig
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import CONFIG_NAME
@@ -59,9 +60,12 @@ def add_lora(model, args, accelerator, task_type: str, new_head: bool) -> PeftMo
         model = get_peft_model(model, config)
     except ValueError as err:
         reason = " ".join(str(err).split()).split(". ")[0][:200]  # peft's first sentence
+        output = model.get_output_embeddings()  # a causal LM's lm_head: all-linear leaves it out too
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(
+            module, (Linear, Conv1D)) and module is not output and name.split(".")[0] not in head})  # fmt: skip
         raise UserError(
-            f"--lora_target_modules {args.lora_target_modules}: {reason}; name linear layers of the backbone "
-            "(e.g. q_proj,v_proj) or use all-linear"
+            f"--lora_target_modules {args.lora_target_modules}: {reason}; name linear layers of the backbone (this "
+            f"model's: {', '.join(linear)}) or use all-linear"
         ) from err
     if accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         checkpoint_trainable_weights_only(accelerator)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, GradientState
 from conftest import (
     LOSS_ATOL,
@@ -69,10 +70,11 @@ def grad_norm(parameters) -> float:
 
 
 def record_optimizer_steps(record):
-    """Call record(optimizer) before every real AdamW update (accelerate skips the update inside accumulation)."""
+    """Call record(optimizer) before every real update (accelerate skips the update inside accumulation), by whatever
+    optimizer src/optimizer.py builds."""
 
     def hook(optimizer, args, kwargs):
-        if isinstance(optimizer, torch.optim.AdamW):
+        if not isinstance(optimizer, AcceleratedOptimizer):  # the wrapper, whose step() calls the optimizer's
             record(optimizer)
 
     return register_optimizer_step_pre_hook(hook)

@@ -301,7 +301,11 @@ def test_lora_flags_are_checked(tiny_decoders, data, tmp_path, capsys):
     assert "--lora_r, --lora_dropout set(s) up LoRA: add --use_peft, or drop them" in capsys.readouterr().err
     assert flags("--lora_r", "4", "--use_peft").lora_r == 4
     args = train_args(tiny_decoders["llama"], *data, tmp_path / "out", "--use_peft", "--lora_target_modules", "qkv")
-    with pytest.raises(UserError, match="--lora_target_modules qkv: No modules were targeted.*; name linear layers"):
+    with pytest.raises(
+        UserError,
+        match=r"--lora_target_modules qkv: No modules were targeted.*; name linear layers of "
+        r"the backbone \(this model's: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj\)",
+    ):
         run_train(*args)
     defaults = flags()
     assert (defaults.lora_r, defaults.lora_alpha, defaults.lora_dropout) == (16, 32, 0.05)

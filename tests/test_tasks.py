@@ -280,7 +280,7 @@ def test_a_metric_missing_from_metric_names_says_where_it_belongs():
     task whose main_metric is not among them is the task author's slip, not a --metric_for_best_model the user never
     gave."""
     with pytest.raises(UserError, match=r"return it from the task's metrics\(\) and name it in metric_names\(\)"):
-        check_best_metric("balanced_accuracy", SequenceClassification(SINGLE_LABEL, ("neg", "pos")))
+        check_best_metric("made_up_score", SequenceClassification(SINGLE_LABEL, ("neg", "pos")))
 
     class RecallPerLabel(SequenceClassification):
         def metric_names(self):

@@ -66,6 +66,30 @@ def test_max_train_steps_and_the_learning_rate_schedule(tiny_model_no_dropout, t
     assert [r["learning_rate"] for r in logged] == pytest.approx([rate(s) for s in range(1, 11)], abs=1e-12)
 
 
+def test_the_schedules_own_arguments(capsys):
+    """--lr_scheduler_kwargs reaches the schedule (cosine_with_restarts' cycles: without them it is plain cosine); a
+    keyword it does not take, one for a constant schedule, or text that is not a JSON object is one line."""
+
+    def rates(*flags, steps=8):
+        args = train.parse_train_args(
+            ["--lr_scheduler_type", "cosine_with_restarts", "--num_warmup_steps", "0", *flags]
+        )
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = train.build_scheduler(optimizer, args, steps)
+        return [scheduler.get_last_lr()[0] for _ in range(steps) if not optimizer.step() and not scheduler.step()]
+
+    cycle = [0.5 * (1 + math.cos(math.pi * step / 4)) for step in range(1, 4)]
+    assert rates("--lr_scheduler_kwargs", '{"num_cycles": 2}') == pytest.approx([*cycle, 1.0, *cycle, 0.0])
+    assert rates()[3] == pytest.approx(0.5 * (1 + math.cos(math.pi * 4 / 8))), "one cycle by default"
+    with pytest.raises(train.UserError, match=r"--lr_scheduler_kwargs \{\"cycles\": 2\}: .*unexpected keyword"):
+        rates("--lr_scheduler_kwargs", '{"cycles": 2}')
+    with pytest.raises(train.UserError, match="--lr_scheduler_type constant takes no --lr_scheduler_kwargs"):
+        rates("--lr_scheduler_kwargs", '{"num_cycles": 2}', "--lr_scheduler_type", "constant")
+    with pytest.raises(SystemExit):
+        rates("--lr_scheduler_kwargs", "num_cycles=2")
+    assert "--lr_scheduler_kwargs: must be a JSON object" in capsys.readouterr().err
+
+
 def test_the_schedule_waits_out_an_update_the_gradient_scaler_skipped(tiny_model_no_dropout, tiny_data, tmp_path,
                                                                      monkeypatch):  # fmt: skip
     """fp16's gradient scaler skips the update of a step whose gradients overflowed: the learning rate moves on only
