@@ -121,9 +121,10 @@ def launched_fewer_than_asked(num_processes: int) -> str | None:
         if name in ("--num_processes", "--num-processes"):
             asked = value or following
             if asked.isdigit() and int(asked) > num_processes:
-                return (f"`accelerate launch --num_processes {asked}` started {num_processes} process(es): --cpu, or "
-                        "no saved `accelerate config`, gives its one-process launch; for several CPU processes add "
-                        "--config_file accelerate_configs/cpu.yaml (or --multi_gpu)")  # fmt: skip
+                return (f"`accelerate launch --num_processes {asked}` started {num_processes} process: with --cpu, "
+                        "or without a saved `accelerate config`, it starts one whatever the number; for "
+                        f"{asked} CPU processes add --config_file accelerate_configs/cpu.yaml "
+                        "(or --multi_gpu)")  # fmt: skip
             return None
     return None
 
