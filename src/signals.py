@@ -5,6 +5,7 @@ SLURM and systemd signal every process of a job at once (and the launcher forwar
 or a container's stop reaches only the launcher.
 """
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -106,10 +107,38 @@ class StopVote:
         return previous[0].tolist()
 
 
+def workers_context():
+    """The multiprocessing context of the collating workers (src/loaders.py): under fork (Linux's default before
+    Python 3.14), workers born with SIGTERM blocked, else None (the default). A worker forked from a rank that has
+    run torch's thread pool gets threads of its own before its worker_init_fn runs; blocking SIGTERM there left them
+    to catch the scheduler's, of which the worker died (4 tries in 4 with --dataloader_num_workers 2). Blocked in
+    the rank's thread across the fork, the signal is blocked in every thread the worker will have; the rank's mask
+    comes back at once (a SIGTERM sent meanwhile is delivered then). Spawned workers start with one thread."""
+    # The method set, else the platform's default (the first listed), without setting it as get_start_method() would.
+    method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    if method != "fork":
+        return None
+    from multiprocessing.context import ForkContext, ForkProcess
+
+    class WorkerProcess(ForkProcess):
+        def start(self):
+            previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            try:
+                super().start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    class WorkerContext(ForkContext):
+        Process = WorkerProcess
+
+    return WorkerContext()
+
+
 def take_sigterm_from_the_rank_only(rank: int, worker_id: int):
     """A collating worker's `worker_init_fn` (src/loaders.py), for process `rank`. SLURM and systemd send SIGTERM to
     every process of a job, collating workers too. torch's workers die of a SIGTERM that their rank did not send, and
-    the rank then fails where its own handler would have saved a checkpoint. So the signal is blocked, and a thread
+    the rank then fails where its own handler would have saved a checkpoint. So the signal is blocked (from the start
+    in every thread under fork: workers_context), and a thread
     waits for it and ends the worker when the rank sent it (multiprocessing stops a rank's workers so as it exits, and
     waits for them). The rank's process id is given, not read as the parent's: under forkserver (Python 3.14's default)
     the parent is the server. Without sigwaitinfo (macOS), torch's handling stays."""

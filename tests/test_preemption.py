@@ -18,6 +18,7 @@ import time
 
 import psutil
 import pytest
+import torch
 from conftest import (
     REPO,
     free_port,
@@ -189,7 +190,9 @@ CASES = [
                  id="SLURM's USR1 warning"),
     pytest.param("accelerate", "one rank", signal.SIGTERM, LAUNCHER_STATUS, {}, True, (),
                  id="SIGTERM to one rank only"),
-    pytest.param("python", "all", signal.SIGTERM, 128 + signal.SIGTERM, {}, False, (), id="python train.py, SIGTERM"),
+    # 2 threads: torch's thread pool runs in the rank, so its forked workers start with threads of their own.
+    pytest.param("python", "all", signal.SIGTERM, 128 + signal.SIGTERM, {}, False, (*WORKERS, "--cpu_threads", "2"),
+                 id="python train.py, SIGTERM to it and its collating workers"),
     pytest.param("torchrun", "launcher", signal.SIGKILL, None, {}, True, (), id="launcher killed: its ranks stop"),
 ]  # fmt: skip
 
@@ -249,6 +252,27 @@ def test_a_signal_saves_the_current_step_and_the_run_resumes_exactly(
     assert_same_weights(reference, folder)
     assert logged_steps(folder) == logged_steps(reference), "no record lost or doubled by the resume"
     assert json.loads((folder / "all_results.json").read_text())["global_step"] == STEPS
+
+
+def test_a_collating_worker_outlives_sigterms_from_others_than_its_rank():
+    """A SIGTERM sent to a worker goes to whichever of its threads does not block it. A worker forked from a process
+    that has run torch's thread pool has threads before its worker_init_fn runs: unless they are born with SIGTERM
+    blocked, a scheduler's SIGTERM is caught there and kills the worker (and its rank fails without its checkpoint).
+    Sent 20 times from another process (`kill`), none may reach the worker's collating."""
+    from datasets import Dataset
+
+    from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, build_eval_dataloader
+
+    torch.set_num_threads(2)  # the autouse fixture gives back the threads of before the test
+    torch.randn(512, 512) @ torch.randn(512, 512)  # the pool's threads, in this process
+    rows = Dataset.from_dict({"x": list(range(8)), LENGTH_COLUMN: [1] * 8, INDEX_COLUMN: list(range(8))})
+    batches = iter(build_eval_dataloader(rows, lambda batch: torch.tensor([row["x"] for row in batch]), 2, 1))
+    assert next(batches).tolist() == [0, 1]
+    (worker,) = psutil.Process().children()
+    for _ in range(20):
+        subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)
+        time.sleep(0.01)  # delivered one by one: a pending signal would absorb the next
+    assert [batch.tolist() for batch in batches] == [[2, 3], [4, 5], [6, 7]]
 
 
 @pytest.mark.slow
