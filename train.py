@@ -315,7 +315,12 @@ def start_or_resume(args, accelerator, task, resume_path, record: dict, batches_
     named = {"wandb": {"name": args.output_dir.name}}  # W&B's run named after the output folder, as Trainer's
     accelerator.init_trackers(tracker_project(args.report_to, args.output_dir), hparams, init_kwargs=named)
     if is_checkpoint_writer(accelerator, args.save_on_each_node):
-        remove_checkpoints(args.output_dir, only_incomplete=not args.overwrite_output_dir)
+        after = state.global_step if resume_path else None
+        if later := remove_checkpoints(
+            args.output_dir, only_incomplete=not args.overwrite_output_dir, after_step=after
+        ):
+            logger.info(f"Removed {', '.join(later)}: saved after step {state.global_step}, which this run resumes "
+                        "from and goes on from afresh")  # fmt: skip
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         if args.overwrite_output_dir:  # every flag's value that may be a path is kept, should it be one in there

@@ -132,10 +132,20 @@ def remove_run_files(output_dir: Path, keep=()):
             path.unlink()
 
 
-def remove_checkpoints(output_dir: Path, only_incomplete: bool = False):
-    """All checkpoints, or only the folders of saves cut short (by SIGKILL, SIGQUIT or a crash)."""
-    for path in Path(output_dir).glob(f"{PREFIX}*.incomplete" if only_incomplete else f"{PREFIX}*"):
+def remove_checkpoints(output_dir: Path, only_incomplete: bool = False, after_step: int | None = None) -> list[str]:
+    """All checkpoints, or only the folders of saves cut short (by SIGKILL, SIGQUIT or a crash) and, `after_step`
+    given (a resume from an earlier checkpoint), those saved after it: they belong to a continuation that the resumed
+    run replaces, as its metrics.jsonl records do, and would otherwise be the 'latest' one and outrank its own in the
+    rotation. Returns the names of the later ones."""
+    later = []
+    for path in Path(output_dir).glob(f"{PREFIX}*"):
+        step = path.name[len(PREFIX) :]
+        if after_step is not None and step.isdigit() and int(step) > after_step:
+            later.append(path.name)
+        elif only_incomplete and not path.name.endswith(".incomplete"):
+            continue
         shutil.rmtree(path)
+    return sorted(later, key=lambda name: int(name[len(PREFIX) :]))
 
 
 def is_checkpoint_writer(accelerator, save_on_each_node: bool) -> bool:
@@ -261,6 +271,7 @@ SAME_ON_RESUME = (
     # shape, which would change mid-run. A longer run (--num_train_epochs, --max_train_steps) may resume.
     "learning_rate",
     "weight_decay",
+    "max_grad_norm",
     "lr_scheduler_type",
     "lr_scheduler_kwargs",
     "warmup_ratio",

@@ -181,6 +181,11 @@ def test_a_save_cut_short_is_ignored_and_replaced_by_the_next_one(tiny_model, da
     assert not (out / "checkpoint-8" / "junk.bin").exists()
     saved = load_file(out / "checkpoint-8" / "model.safetensors")
     assert all(torch.equal(saved[k], reference[k]) for k in reference), "steps 5-8 again, to the same weights"
+    # Resumed from an earlier checkpoint, the run goes on from there afresh: the later checkpoint is of the
+    # continuation it replaces, and would be 'latest' and outrank the new ones in the rotation.
+    run_main(*args, "--resume_from_checkpoint", str(out / "checkpoint-4"), "--max_train_steps", "6")
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"]
+    assert resolve_checkpoint("latest", out).name == "checkpoint-4"
 
 
 def test_diverging_loss_stops_with_the_step(tiny_model, data, tmp_path):

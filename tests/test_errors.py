@@ -208,6 +208,10 @@ def test_resume_with_other_batching_settings_is_refused(tmp_path, tiny_model, ti
     other_rate = train_args(tiny_model, *tiny_data, out, "--resume_from_checkpoint", "latest", "--learning_rate", "1")
     with pytest.raises(train.UserError, match=r"other settings \(--learning_rate 0.001 -> 1.0\)"):
         train.main(train.parse_train_args(other_rate))
+    # So would other clipping: each update would differ from the run's, and args.json would say it was the run's.
+    clipped = [*changed[:-2], "--max_grad_norm", "0.5"]
+    with pytest.raises(train.UserError, match=r"other settings \(--max_grad_norm 1.0 -> 0.5\)"):
+        train.main(train.parse_train_args(clipped))
     # The best model so far was chosen by accuracy: its value is not a loss to compare with.
     other_metric = [*changed[:-2], "--metric_for_best_model", "loss"]
     with pytest.raises(train.UserError, match=r"other settings \(--metric_for_best_model accuracy -> loss; --greater"):
