@@ -52,9 +52,11 @@ def check_writable(folder: Path, flag: str = "--output_dir"):
 def check_output_dir(output_dir: Path, overwrite: bool, resume_from: Path | None):
     """Refuse to train over a finished run or its checkpoints unless asked to (--overwrite_output_dir, or a resume of
     that run from a checkpoint in it)."""
-    if overwrite or not Path(output_dir).is_dir():
+    if not Path(output_dir).is_dir():
         return
-    if resume_from is not None and Path(resume_from).resolve().parent == Path(output_dir).resolve():
+    if holder := _in_use_by(output_dir):  # a run still going there: resuming it or starting afresh would both fail
+        raise UserError(_in_use(output_dir, holder))
+    if overwrite or resume_from is not None and Path(resume_from).resolve().parent == Path(output_dir).resolve():
         return
     earlier = [p.name for p in complete_checkpoints(output_dir)] + (
         [RESULTS_FILE] if (Path(output_dir) / RESULTS_FILE).exists() else []
@@ -90,6 +92,28 @@ def holding_output_dir(accelerator, output_dir: Path, save_on_each_node: bool = 
             lock.close()
 
 
+def _in_use(output_dir: Path, holder: str) -> str:
+    return (
+        f"--output_dir {output_dir} is in use by another run ({holder}): wait for it to end, or choose another "
+        f"--output_dir; if that process is gone (its machine failed), delete {Path(output_dir) / LOCK_FILE}"
+    )
+
+
+def _in_use_by(output_dir: Path) -> str | None:
+    """Who holds `output_dir`'s lock now, or None. Probed with a shared lock, which the ranks of one run may all
+    take at once, and let go of at once."""
+    try:
+        with open(Path(output_dir) / LOCK_FILE) as file:
+            try:
+                fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return file.read().strip() or "another process"
+            fcntl.flock(file, fcntl.LOCK_UN)
+    except OSError:  # no lock file (no run was ever there), or a file system without locks
+        return None
+    return None
+
+
 def _lock(output_dir: Path, save_on_each_node: bool):
     """LOCK_FILE, open and locked, naming this process; None on a file system without locks."""
     Path(output_dir).mkdir(parents=True, exist_ok=True)
@@ -103,9 +127,7 @@ def _lock(output_dir: Path, save_on_each_node: bool):
         file.close()
         hint = ("; with --save_on_each_node the nodes must not share it (another node of this run may hold it)"
                 if save_on_each_node else "")  # fmt: skip
-        raise UserError(f"--output_dir {output_dir} is in use by another run ({holder}): wait for it to end, or "
-                        f"choose another --output_dir; if that process is gone (its machine failed), delete "
-                        f"{Path(output_dir) / LOCK_FILE}{hint}") from None  # fmt: skip
+        raise UserError(_in_use(output_dir, holder) + hint) from None
     except OSError as err:  # a file system without locks (some network ones), a lock file not ours: unguarded
         if file is not None:
             file.close()
@@ -330,15 +352,17 @@ def load_checkpoint(accelerator, path: Path, record: dict, task_flags=(), task_s
             f"checkpoint {path} was made with other settings ({'; '.join(changed)}): resume with the same ones "
             "so the run continues exactly, or start a new run"
         )
+    # First: another number of processes also changes the steps an epoch takes, which the next check counts.
+    if position[3] != accelerator.num_processes:
+        written = f"{position[3]} process{'es' if position[3] > 1 else ''}"
+        raise UserError(
+            f"checkpoint {path} was written by {written} and this run has {accelerator.num_processes}; resume with "
+            "the same number so the data order continues exactly"
+        )
     if position[0] > record.get("max_train_steps", position[0]):  # it would end at once, its weights the final ones
         raise UserError(
             f"checkpoint {path} is at step {position[0]}, past this run's {record['max_train_steps']} optimizer steps "
             "(--max_train_steps, --num_train_epochs): resume with at least as many, or start a new run"
-        )
-    if position[3] != accelerator.num_processes:
-        raise UserError(
-            f"checkpoint {path} was written by {position[3]} processes and this run has "
-            f"{accelerator.num_processes}; resume with the same number so the data order continues exactly"
         )
     try:
         # load_state skips an unreadable RNG state file with a note on the main process only, and the run goes on

@@ -277,6 +277,13 @@ def test_a_second_run_into_a_folder_in_use_is_refused_until_the_first_ends(tiny_
         with pytest.raises(train.UserError, match=rf"--output_dir {out} is in use by another run \(train.py, pid "):
             run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1"))
         assert {p.name for p in out.iterdir()} == {".lock"}, "nothing written"
+        # With the first run's checkpoint there, it is still the folder in use that is said, not a resume to try.
+        (out / "checkpoint-2").mkdir()
+        (out / "checkpoint-2" / "training_state.json").write_text("{}")
+        for resume in ([], ["--resume_from_checkpoint", "latest"]):
+            with pytest.raises(train.UserError, match=rf"--output_dir {out} is in use by another run \(train.py, pid "):
+                run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", *resume))
+        shutil.rmtree(out / "checkpoint-2")
     # A run that ends, also with an error, lets go of the folder in a process that goes on (a notebook's kernel, whose
     # last traceback keeps the run's objects alive, its DataLoader's forked workers too): another process may resume.
     diverging = ["--learning_rate", "1e30", "--max_grad_norm", "0", "--dataloader_num_workers", "1"]
