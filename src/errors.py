@@ -107,14 +107,21 @@ def run_cli(main, parse_args):
         return main(parse_args())
     except UserError as err:
         # Every rank that hits the error says so: a rank-local problem must not go unreported.
-        print(f"{_rank()}error: {err}", file=sys.stderr, flush=True)
+        _say(f"{_rank()}error: {err}")
         sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop, which turns it into a checkpoint (src/signals.py)
-        print(f"{_rank()}interrupted", file=sys.stderr, flush=True)
+        _say(f"{_rank()}interrupted")
         sys.exit(130)  # as a shell reports a process ended by SIGINT
     finally:
         process_ends_with_main = False
         gc.freeze()
+
+
+def _say(line: str):
+    """One line on stderr in one write: print() writes the text and its newline apart, between which another rank's
+    line could come (two ranks' errors on one line)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _rank() -> str:

@@ -421,3 +421,29 @@ def test_a_script_keeps_a_failed_runs_variables_and_a_kernel_does_not(monkeypatc
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: kernel))
     assert src.errors.run_cli(lambda _: src.errors.process_ends_with_main, lambda: None) is ends
     assert src.errors.process_ends_with_main is False, "only while run_cli runs main()"
+
+
+def test_a_ranks_error_line_is_one_write(monkeypatch):
+    """Each rank writes its error line to the shared stderr in one write, newline included: written apart (as print()
+    does), another rank's line could come between them, and two errors read as one line."""
+    import src.errors
+
+    class Stderr:
+        writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def fails(_):
+        raise src.errors.UserError("no such file")
+
+    with pytest.raises(SystemExit):
+        src.errors.run_cli(fails, lambda: None)
+    assert Stderr.writes == ["[rank 1] error: no such file\n"]
