@@ -66,6 +66,11 @@ def test_auto_finds_word_and_tag_lists_by_any_name(tiny_model):
     # IOB types come in pairs: PER, seen only as B-PER in a small sample, can be tagged I-PER too.
     one_word_names = Dataset.from_list([{"tokens": ["Ana", "ran"], "ner_tags": ["B-PER", "O"]}])
     assert TokenClassification.from_data(flags(), one_word_names).label_names == ("B-PER", "I-PER", "O")
+    # A type's score picks the best model only with the flag that reports it: said before any training.
+    with pytest.raises(UserError, match="--metric_for_best_model PER_f1 is reported with --return_entity_level_metri"):
+        TokenClassification.from_data(flags(metric_for_best_model="eval_PER_f1"), one_word_names)
+    assert TokenClassification.from_data(flags(metric_for_best_model="PER_f1", return_entity_level_metrics=True),
+                                         one_word_names).return_entity_level_metrics  # fmt: skip
     sentences = Dataset.from_list([{"text": "New York", "labels": ["B-LOC", "I-LOC"]}])  # multi-label, not words
     assert detect_task(sentences)[0].name == "sequence-classification"
     # A row whose tags do not match its words is a mistake in tagged data, named by its row, not other data.

@@ -2,7 +2,7 @@
 of the same lengths, as transformers' run_ner_no_trainer.py reads them."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from accelerate.logging import get_logger
@@ -86,6 +86,10 @@ class TokenClassification(Task):
         if 0 < len(odd) < len(names) / 2:  # a few rows' slips turn entity F1 into per-word accuracy
             logger.warning(f"{tags!r} holds IOB entity tags and {', '.join(map(repr, odd[:5]))}, which are not: "
                            "scored per word, not by entity; fix those rows for entity-level F1")  # fmt: skip
+        wanted = (getattr(args, "metric_for_best_model", None) or "").removeprefix("eval_")
+        with_flag = replace(task, return_entity_level_metrics=True).metric_names()
+        if wanted not in task.metric_names() and wanted in with_flag:  # LOC_f1, without the flag that reports it
+            raise UserError(f"--metric_for_best_model {wanted} is reported with --return_entity_level_metrics: add it")
         return task.entity_scores_possible()
 
     @classmethod
