@@ -560,3 +560,9 @@ def test_the_slurm_script_checkpoints_and_requeues_itself_before_the_time_limit(
     (tmp_path / "run" / "all_results.json").unlink()
     crashed = attempt("crash")
     assert crashed.returncode == 3 and lines("scontrol") == ["requeue 42"], "a crash is not requeued"
+
+    # A job's first submission, into a folder that does not exist yet: nothing to resume (an unmatched pattern is
+    # left as text by bash, and must not count as a checkpoint).
+    env["OUTPUT_DIR"] = str(tmp_path / "new")
+    fresh = attempt("finish")
+    assert fresh.returncode == 0 and "--resume_from_checkpoint" not in lines("srun")[-1]
