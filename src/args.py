@@ -771,6 +771,9 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
             parser.error(f"--config {path}: {key} takes a value, not {str(value).lower()} (it is not an on/off flag)")
         elif action.nargs == "+" and isinstance(value, (list, str)) and value:  # [q_proj, v_proj], or q_proj v_proj
             words += [f"--{key}", *(map(str, value) if isinstance(value, list) else str(value).split())]
+        elif isinstance(value, dict) and action.type is _json_object:  # this YAML reads its numbers as text
+            parser.error(f"--config {path}: write {key} as JSON in quotes, as on the command line: {key}: "
+                         f"'{json.dumps(value)}' with numbers unquoted")  # fmt: skip
         elif isinstance(value, (dict, list)):
             parser.error(f"--config {path}: {key} must be a single value, got {value!r}")
         else:

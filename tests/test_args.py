@@ -155,6 +155,7 @@ def test_yaml_config_is_read_and_the_command_line_wins(tmp_path):
         ("warmup_steps: 3\n", "'warmup_steps' (did you mean num_warmup_steps (steps) or warmup_ratio?)"),
         ("no-seed: 1\n", "unknown key(s) 'no-seed' (see --help)"),
         ("lora_target_modules: {q_proj: 1}\n", "lora_target_modules must be a single value"),
+        ("lr_scheduler_kwargs: {power: 2}\n", "write lr_scheduler_kwargs as JSON in quotes, as on the command line"),
         ("max_time: 1:30\n", "--max_time: must be a number, got '1:30'"),  # YAML 1.1's 90 (minutes and seconds)
         ("max_length: 64\nblock_size: 256\n", "max_length and block_size are the same flag: keep one"),
         ("no-group_by_length: true\n", "unknown key(s) 'no-group_by_length' (did you mean group_by_length: false?)"),
