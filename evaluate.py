@@ -148,15 +148,14 @@ def evaluate_model(args) -> dict:
 
     model = prepare_for_evaluation(model, accelerator)
     metrics, columns = {"eval_samples": 0}, None
+    batch_size = args.per_device_eval_batch_size or record.get("per_device_eval_batch_size") or 64
     if len(dataset):  # prompts alone (no answers to score) are only answered, below
         collator = task.collator(tokenizer, **padding_options(accelerator.device))  # as train.py pads
         workers = collating_workers(args.dataloader_num_workers, accelerator.device)
-        dataloader = accelerator.prepare(
-            build_eval_dataloader(dataset, collator, args.per_device_eval_batch_size, workers)
-        )
+        dataloader = accelerator.prepare(build_eval_dataloader(dataset, collator, batch_size, workers))
         logger.info(
             f"Evaluating {args.model_name_or_path} on {len(dataset)} examples with {accelerator.num_processes} "
-            f"process(es), batch size {args.per_device_eval_batch_size} per process"
+            f"process(es), batch size {batch_size} per process"
         )
         metrics, columns = evaluate(model, dataloader, accelerator, task)
     if "eval_loss" not in metrics and prompts is None and record.get("label_column"):  # renamed since training?
@@ -165,7 +164,7 @@ def evaluate_model(args) -> dict:
     generations = None
     if prompts is not None:
         logger.info(f"Generating up to {args.generation_max_length} tokens for each of {len(prompts)} prompts")
-        generations = generate(model, prompts, tokenizer, accelerator, args.per_device_eval_batch_size,
+        generations = generate(model, prompts, tokenizer, accelerator, batch_size,
                                args.generation_max_length, args.generation_num_beams)  # fmt: skip
     if accelerator.is_main_process:
         write_results(args.output_dir or Path(args.model_name_or_path), metrics, columns, task, data, generations)

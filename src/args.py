@@ -670,7 +670,11 @@ def build_eval_parser(task=None) -> ArgumentParser:
     _add_data_arguments(data, "the evaluated data")
     run = parser.add_argument_group("run")
     run.add_argument("--output_dir", type=_path, help="Where results go. Default: the model folder.")
-    run.add_argument("--per_device_eval_batch_size", type=_positive_int, default=64, help="Batch size per process.")
+    run.add_argument(
+        "--per_device_eval_batch_size",
+        type=_positive_int,
+        help="Batch size per process. Default: the training run's (args.json), which fit beside training, else 64.",
+    )
     run.add_argument(
         "--mixed_precision",
         choices=PRECISIONS,

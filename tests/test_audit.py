@@ -248,15 +248,17 @@ def test_lora_alpha_and_target_modules_reach_the_adapter(tiny_model, data, tmp_p
 
 
 def test_evaluate_overrides_max_eval_samples_max_length_and_precision(trained_tiny_model, tmp_path, monkeypatch):
-    """The trained folder's args.json says max_length 64 and fp32: each flag wins over it."""
+    """The trained folder's args.json says max_length 64, fp32 and an evaluation batch of 8 (what fit beside
+    training): evaluate.py takes them, and each flag wins over them."""
     evaluate_script = load_script("evaluate")
     rows = sentiment_rows(12, seed=5)
     dev = write_rows(tmp_path / "dev.csv", rows)
-    precisions, longest = [], []
+    precisions, longest, batches = [], [], []
 
     def recording_evaluate(model, dataloader, accelerator, task):
         precisions.append(accelerator.mixed_precision)
         longest.append(max(len(ids) for ids in dataloader.dataset["input_ids"]))
+        batches.append(len(next(iter(dataloader))["labels"]))
         return evaluate(model, dataloader, accelerator, task)
 
     evaluate = evaluate_script.evaluate
@@ -298,9 +300,10 @@ def test_evaluate_overrides_max_eval_samples_max_length_and_precision(trained_ti
 
     # --mixed_precision bf16 reaches the Accelerator (autocast): a loss close to the fp32 one. Not necessarily
     # another one: this barely trained model's logits are so close to 0 that bf16 may round them to the same loss.
-    bf16 = run("bf16", "--mixed_precision", "bf16")
+    bf16 = run("bf16", "--mixed_precision", "bf16", "--per_device_eval_batch_size", "12")
     assert precisions == ["no", "no", "bf16"] and longest[2] == max(lengths)
     assert abs(bf16["eval_loss"] - full_loss) < 0.02
+    assert batches == [5, 8, 12], "the run's 8 (5 rows in all for the first), then the flag's 12"
 
 
 # ---------------------------------------------------------------- errors and signals
