@@ -159,15 +159,15 @@ def remove_checkpoints(output_dir: Path, only_incomplete: bool = False, after_st
     given (a resume from an earlier checkpoint), those saved after it: they belong to a continuation that the resumed
     run replaces, as its metrics.jsonl records do, and would otherwise be the 'latest' one and outrank its own in the
     rotation. Returns the names of the later ones."""
-    later = []
+    later = {}
     for path in Path(output_dir).glob(f"{PREFIX}*"):
         step = path.name[len(PREFIX) :]
-        if after_step is not None and step.isdigit() and int(step) > after_step:
-            later.append(path.name)
-        elif only_incomplete and not path.name.endswith(".incomplete"):
-            continue
-        shutil.rmtree(path)
-    return sorted(later, key=lambda name: int(name[len(PREFIX) :]))
+        is_later = after_step is not None and step.isdigit() and int(step) > after_step
+        if is_later or not only_incomplete or step.endswith(".incomplete"):
+            shutil.rmtree(path)
+        if is_later:
+            later[int(step)] = path.name
+    return [later[step] for step in sorted(later)]
 
 
 def is_checkpoint_writer(accelerator, save_on_each_node: bool) -> bool:

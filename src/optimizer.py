@@ -62,6 +62,13 @@ def build_scheduler(optimizer, args, max_train_steps: int):
     if options and args.lr_scheduler_type.startswith("constant"):  # get_scheduler would ignore them without a word
         raise UserError(f"--lr_scheduler_type {args.lr_scheduler_type} takes no --lr_scheduler_kwargs: drop them")
     try:
-        return get_scheduler(args.lr_scheduler_type, optimizer, **steps, scheduler_specific_kwargs=options)
-    except TypeError as err:  # a keyword the schedule's function does not take
+        scheduler = get_scheduler(args.lr_scheduler_type, optimizer, **steps, scheduler_specific_kwargs=options)
+        # A value the schedule cannot use ("3" for num_cycles) fails only where the warmup ends: tried here, not
+        # hours into the run.
+        for rate_at in scheduler.lr_lambdas:
+            rate_at(steps["num_warmup_steps"]), rate_at(max_train_steps)
+    except (TypeError, ValueError) as err:  # a keyword the schedule does not take, or a value it cannot use
+        if not options:
+            raise
         raise UserError(f"--lr_scheduler_kwargs {json.dumps(options)}: {err}") from err
+    return scheduler

@@ -136,12 +136,12 @@ def workers_context():
 
 def take_sigterm_from_the_rank_only(rank: int, worker_id: int):
     """A collating worker's `worker_init_fn` (src/loaders.py), for process `rank`. SLURM and systemd send SIGTERM to
-    every process of a job, collating workers too. torch's workers die of a SIGTERM that their rank did not send, and
-    the rank then fails where its own handler would have saved a checkpoint. So the signal is blocked (from the start
-    in every thread under fork: workers_context), and a thread
-    waits for it and ends the worker when the rank sent it (multiprocessing stops a rank's workers so as it exits, and
-    waits for them). The rank's process id is given, not read as the parent's: under forkserver (Python 3.14's default)
-    the parent is the server. Without sigwaitinfo (macOS), torch's handling stays."""
+    every process of a job, collating workers too. torch's workers die of a SIGTERM that their rank did not send,
+    and the rank then fails where its own handler would have saved a checkpoint. So the signal is blocked (under
+    fork, from the start and in every thread: workers_context), and a thread waits for it and ends the worker when
+    the rank sent it (multiprocessing stops a rank's workers so as it exits, and waits for them). The rank's process
+    id is given, not read as the parent's: under forkserver (Python 3.14's default) the parent is the server.
+    Without sigwaitinfo (macOS), torch's handling stays."""
     if not hasattr(signal, "sigwaitinfo"):
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # for this thread and the threads it starts

@@ -83,6 +83,11 @@ def test_the_schedules_own_arguments(capsys):
     assert rates()[3] == pytest.approx(0.5 * (1 + math.cos(math.pi * 4 / 8))), "one cycle by default"
     with pytest.raises(train.UserError, match=r"--lr_scheduler_kwargs \{\"cycles\": 2\}: .*unexpected keyword"):
         rates("--lr_scheduler_kwargs", '{"cycles": 2}')
+    # A value the schedule cannot use is found before training, not at the end of the warmup.
+    with pytest.raises(train.UserError, match=r"--lr_scheduler_kwargs \{\"num_cycles\": \"x\"\}: could not convert"):
+        rates("--lr_scheduler_kwargs", '{"num_cycles": "x"}', "--num_warmup_steps", "2")
+    with pytest.raises(train.UserError, match=r"--lr_scheduler_kwargs \{\"lr_end\": 2.0\}: lr_end \(2.0\) must be"):
+        rates("--lr_scheduler_kwargs", '{"lr_end": 2.0}', "--lr_scheduler_type", "polynomial")
     with pytest.raises(train.UserError, match="--lr_scheduler_type constant takes no --lr_scheduler_kwargs"):
         rates("--lr_scheduler_kwargs", '{"num_cycles": 2}', "--lr_scheduler_type", "constant")
     with pytest.raises(SystemExit):
