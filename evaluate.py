@@ -158,9 +158,14 @@ def evaluate_model(args) -> dict:
             f"process(es), batch size {batch_size} per process"
         )
         metrics, columns = evaluate(model, dataloader, accelerator, task)
-    if "eval_loss" not in metrics and prompts is None and record.get("label_column"):  # renamed since training?
-        logger.warning(f"the data has no labels for {task.describe()} (its columns: {', '.join(data.column_names)}): "
-                       "predictions only, no metrics; name the label column with --label_column")  # fmt: skip
+    label_column = args.label_column or record.get("label_column")
+    if "eval_loss" not in metrics and prompts is None and label_column:
+        fix = (
+            f"its column {label_column!r} holds none (GLUE's test splits mark every row -1)"
+            if label_column in data.column_names  # an unlabelled split: nothing to fix
+            else f"its columns: {', '.join(data.column_names)}; name the label column with --label_column"
+        )
+        logger.warning(f"the data has no labels for {task.describe()} ({fix}): predictions only, no metrics")
     generations = None
     if prompts is not None:
         logger.info(f"Generating up to {args.generation_max_length} tokens for each of {len(prompts)} prompts")

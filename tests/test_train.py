@@ -319,7 +319,9 @@ def test_evaluating_data_without_the_label_column_says_so(trained_tiny_model, tm
     with caplog.at_level("WARNING"):
         run_evaluate("--model_name_or_path", trained_tiny_model, "--validation_file", data, "--output_dir", tmp_path)
     assert json.loads((tmp_path / "eval_results.json").read_text()) == {"eval_samples": 5}
-    assert "(its columns: sentence, sentiment): predictions only, no metrics; name the label column" in caplog.text
+    assert (
+        "(its columns: sentence, sentiment; name the label column with --label_column): predictions only" in caplog.text
+    )
 
 
 def test_evaluate_pads_batches_as_train_does(tiny_model, tmp_path, monkeypatch):
@@ -414,7 +416,7 @@ def hub_style_dataset(folder):
     return folder, splits
 
 
-def test_hub_style_dataset_and_its_splits(tiny_model, tmp_path):
+def test_hub_style_dataset_and_its_splits(tiny_model, tmp_path, caplog):
     data, splits = hub_style_dataset(tmp_path / "data")
     out = tmp_path / "out"
     results = run_train("--model_name_or_path", str(tiny_model), "--dataset_name", str(data), "--output_dir", str(out),
@@ -433,8 +435,10 @@ def test_hub_style_dataset_and_its_splits(tiny_model, tmp_path):
     assert metrics["eval_samples"] == 21 and metrics["eval_accuracy"] == pytest.approx(expected["eval_accuracy"])
     assert [row[2] for row in table[1:]] == predicted
 
-    metrics, table = evaluate_split("test")  # unlabelled: predictions only
+    with caplog.at_level("WARNING"):
+        metrics, table = evaluate_split("test")  # unlabelled: predictions only
     assert metrics == {"eval_samples": 9} and table[0] == ["index", "prediction"]
+    assert "its column 'label' holds none (GLUE's test splits" in caplog.text and "--label_column" not in caplog.text
     assert [row[1] for row in table[1:]] == expected_classification(out, splits["test"])[0]
 
     with pytest.raises(UserError, match="marks some rows as unlabelled"):
