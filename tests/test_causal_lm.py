@@ -4,6 +4,7 @@ encoder made a decoder, and a LoRA run that evaluate.py reproduces."""
 
 import hashlib
 import json
+import math
 import types
 from pathlib import Path
 
@@ -144,6 +145,19 @@ def test_without_completion_only_loss_the_prompt_is_learnt_too(tokenizer):
     row = task.features(data, tokenizer, 64)[0]
     assert row["labels"] == row["input_ids"] and row["input_ids"][-1] == tokenizer.eos_token_id
     assert task.record()["completion_only_loss"] is False  # evaluate.py and resume learn the same tokens
+    assert CausalLM.from_record(task.record(), options(), None, ["prompt", "completion"]) == task, "evaluate.py's"
+
+
+def test_perplexity_token_accuracy_and_each_rows_loss_are_per_predicted_token():
+    """Examples of 1 and 3 predicted tokens: perplexity is exp of the loss per token over the whole split (eval_loss),
+    the token accuracy a ratio of token counts, and predictions.csv's loss each row's mean per token; means over
+    examples would weigh a short example's tokens more."""
+    columns = {"loss": torch.tensor([2.0, 1.5]), "units": torch.tensor([1, 3]), "correct": torch.tensor([0, 3])}
+    task = CausalLM(PROMPT_COMPLETION)
+    metrics = task.metrics(columns)
+    assert metrics["perplexity"] == pytest.approx(math.exp(3.5 / 4))
+    assert metrics["mean_token_accuracy"] == pytest.approx(3 / 4)
+    assert task.prediction_rows(columns, None) == {"tokens": [1, 3], "loss": ["2.000000", "0.500000"]}
 
 
 def test_text_is_cut_into_blocks_and_nothing_is_dropped(tokenizer):

@@ -27,10 +27,11 @@ def greater_is_better(metric, task):
 
 
 def test_classification_metrics():
-    predictions, references = [0, 1, 1, 0, 1, 2], [0, 1, 0, 0, 1, 2]
+    predictions, references = [0, 1, 1, 1, 1, 2], [0, 1, 0, 0, 1, 2]
     binary = compute_metrics(predictions[:5], references[:5], BINARY)
-    assert binary["accuracy"] == pytest.approx(0.8)
-    assert binary["f1"] == pytest.approx(f1_score(references[:5], predictions[:5]))
+    assert binary["accuracy"] == pytest.approx(0.6)
+    # Two classes: F1 of the positive one (2/3), as run_glue reports it; the classes' mean would be 7/12.
+    assert binary["f1"] == pytest.approx(f1_score(references[:5], predictions[:5])) == pytest.approx(2 / 3)
     assert binary["matthews_correlation"] == pytest.approx(matthews_corrcoef(references[:5], predictions[:5]))
     multi = compute_metrics(predictions, references, THREE_CLASSES)
     assert multi["f1"] == pytest.approx(f1_score(references, predictions, average="macro"))

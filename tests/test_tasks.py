@@ -442,6 +442,17 @@ def test_balanced_weights_and_the_weighted_loss():
         detect_task(hub_style, "label", class_weights="balanced")
 
 
+def test_a_regression_loss_is_each_examples_squared_error():
+    """The head's (batch, 1) output against (batch,) scores: each example's own squared error, not a (batch, batch)
+    broadcast of every prediction against every score, which would train every prediction towards the mean score."""
+    task = SequenceClassification(REGRESSION)
+    logits, scores = torch.tensor([[0.5], [2.0], [-1.0]]), torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+    step = task.step(lambda **batch: {"logits": logits}, {"labels": scores})
+    assert step.outputs["loss"].tolist() == pytest.approx([0.25, 0.0, 2.25])
+    assert step.loss.item() == pytest.approx(2.5) and step.units == 3
+    assert step.outputs["prediction"].tolist() == [0.5, 2.0, -1.0]
+
+
 def test_balanced_class_weights_raise_the_minority_class_recall(tmp_path, tiny_model):
     """90 negative and 10 positive reviews: unweighted, the model learns to say 'negative'."""
     rows = sentiment_rows(400, seed=11)
@@ -629,6 +640,19 @@ def test_glue_labels_outside_the_task_are_named(tmp_path, tiny_model):
     with pytest.raises(UserError, match="--task_name mrpc: label column 'label' holds 5; GLUE's mrpc labels are "
                                         "not_equivalent, equivalent or their ids 0-1"):  # fmt: skip
         train.main(train.parse_train_args(args))
+
+
+def test_a_local_glue_test_file_of_unlabelled_rows_is_predicted_not_refused(tiny_model):
+    """GLUE's test splits label every row -1 (no label): a local copy is named as the Hub's is, and evaluate.py
+    predicts it rather than refusing -1 as a label outside the task."""
+    from src.glue import glue_labels
+
+    rows = {"sentence1": ["the plot was good", "the acting"], "sentence2": ["so so"] * 2, "label": [-1, -1]}
+    labelled = glue_labels(Dataset.from_dict(rows), "mrpc", None)
+    assert labelled.features["label"] == ClassLabel(names=["not_equivalent", "equivalent"])
+    task = SequenceClassification(SINGLE_LABEL, ("not_equivalent", "equivalent"),
+                                  columns=("sentence1", "sentence2", "label"))  # fmt: skip
+    assert "labels" not in task.features(labelled, AutoTokenizer.from_pretrained(tiny_model), 16).column_names
 
 
 def test_a_local_file_without_the_glue_columns_names_the_task_not_a_flag_never_given(tmp_path, tiny_model):

@@ -99,6 +99,52 @@ def test_entity_level_metrics_name_every_type_of_the_labels():
     )
 
 
+def test_entity_scores_are_seqevals_over_all_entities_and_plain_tags_get_macro_f1():
+    """IOB tags: precision, recall and F1 over every entity together (seqeval's micro average, run_ner's overall_*),
+    not a mean over the types; other tags: macro F1 over the tags, which a rare tag moves, unlike accuracy."""
+    from seqeval.metrics import f1_score as entity_f1
+    from seqeval.metrics import precision_score, recall_score
+    from sklearn.metrics import f1_score
+
+    names = ("B-LOC", "B-PER", "I-LOC", "I-PER", "O")
+    labels = torch.tensor([[0, 2, 4, 1, 4, 1, IGNORE]])  # LOC (2 words) O PER O PER, then an ignored position
+    predicted = torch.tensor([[0, 2, 4, 1, 4, 4, 3]])  # the LOC and the first PER found, the second PER missed
+    scores = TokenClassification(names, ("tokens", "ner_tags")).metrics({"label": labels, "prediction": predicted})
+    true = [["B-LOC", "I-LOC", "O", "B-PER", "O", "B-PER"]]
+    found = [["B-LOC", "I-LOC", "O", "B-PER", "O", "O"]]
+    assert scores["precision"] == pytest.approx(precision_score(true, found)) == 1.0
+    assert scores["recall"] == pytest.approx(recall_score(true, found)) == pytest.approx(2 / 3)  # types' mean: 3/4
+    assert scores["f1"] == pytest.approx(entity_f1(true, found)) == pytest.approx(0.8)
+    assert scores["accuracy"] == pytest.approx(5 / 6)
+
+    plain = TokenClassification(("DET", "NOUN", "VERB"), ("tokens", "upos"))
+    labels, predicted = torch.tensor([[0, 1, 2, 1, IGNORE]]), torch.tensor([[0, 1, 1, 1, 2]])
+    scores = plain.metrics({"label": labels, "prediction": predicted})
+    true, found = ["DET", "NOUN", "VERB", "NOUN"], ["DET", "NOUN", "NOUN", "NOUN"]
+    assert scores["accuracy"] == pytest.approx(3 / 4)
+    assert scores["f1"] == pytest.approx(f1_score(true, found, average="macro")) == pytest.approx(0.6)
+
+
+def test_evaluate_py_scores_the_sub_tokens_the_run_labelled(tmp_path):
+    """evaluate.py rebuilds the task from the run's record: a tagger trained with --label_all_tokens is scored on
+    every sub-token, as its training run's evaluation was, and one trained without it on first sub-tokens only."""
+    from transformers import BertConfig
+
+    names = ("B-LOC", "I-LOC", "O")
+    BertConfig(id2label=dict(enumerate(names))).save_pretrained(tmp_path)
+    for every in (False, True):
+        task = TokenClassification(names, ("tokens", "ner_tags"), label_all_tokens=every)
+        args = flags(trust_remote_code=False, return_entity_level_metrics=None)  # evaluate.py's flags, none given
+        assert TokenClassification.from_record(task.record(), args, tmp_path, ["tokens", "ner_tags"]) == task
+
+
+def test_the_model_cards_pipeline_tags_an_entity_word_by_its_first_sub_token():
+    """Trained on first sub-tokens, a word's later ones are untrained: the card's pipeline takes each word's tag from
+    its first sub-token ("first"), where "simple" would group the later ones' guesses into entities of their own."""
+    usage = TokenClassification(("B-LOC", "I-LOC", "O")).model_card("out", "base", adapter=False)["usage"]
+    assert any('aggregation_strategy="first"' in line for line in usage), usage
+
+
 def test_labels_go_on_the_first_sub_token_of_each_word():
     tokenizer = load_tokenizer(default_model_path())
     data = Dataset.from_list(
