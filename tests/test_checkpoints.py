@@ -293,3 +293,15 @@ def test_a_second_run_into_a_folder_in_use_is_refused_until_the_first_ends(tiny_
     again = subprocess.run([sys.executable, "-c", lock], cwd=REPO, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-500:]
     assert failed.traceback, "the failed run's frames were still alive"
+
+
+def test_a_resume_in_a_later_epoch_gets_that_epochs_batches(tiny_model, data, tmp_path):
+    """The shuffle of epoch 2 differs from epoch 1's (set_epoch): a run resumed in epoch 2 must be dealt epoch 2's
+    batches, not epoch 1's again, and end with the uninterrupted run's weights."""
+    step = 10  # 8 steps of 8 rows an epoch: within epoch 2, which steps 11 and 12 go on in
+    flags = ["--checkpointing_steps", str(step), "--eval_steps", "100", "--max_train_steps", "12"]
+    run_main(*train_args(tiny_model, *data, tmp_path / "whole", *flags))
+    resume = ["--resume_from_checkpoint", str(tmp_path / "whole" / f"checkpoint-{step}")]
+    run_main(*train_args(tiny_model, *data, tmp_path / "resumed", *flags, *resume))
+    whole, resumed = (load_file(tmp_path / name / "model.safetensors") for name in ("whole", "resumed"))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)

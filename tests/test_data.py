@@ -141,6 +141,17 @@ def test_sampler_gives_every_example_once_per_epoch(group_by_length):
     assert len({tuple(order) for order in orders}) == 3, "re-shuffled every epoch: no two epochs alike"
 
 
+def test_the_order_of_one_seeds_next_epoch_is_not_another_seeds_first():
+    """Runs repeated with seeds 42, 43, ... (to see the spread of a result) must not see the same orders an epoch
+    apart: the shuffle is drawn from (seed, epoch), not from their sum."""
+    lengths = [(i * 7919) % 50 + 1 for i in range(203)]
+    for group_by_length in (True, False):
+        later = LengthGroupedSampler(lengths, batch_size=8, seed=42, group_by_length=group_by_length)
+        later.set_epoch(1)
+        first = LengthGroupedSampler(lengths, batch_size=8, seed=43, group_by_length=group_by_length)
+        assert list(later) != list(first)
+
+
 def indexed_dataset(count: int) -> Dataset:
     """Tokenised-looking rows whose label is the row's number, so a batch tells which rows it holds."""
     lengths = [(i * 7) % 11 + 2 for i in range(count)]
@@ -197,3 +208,36 @@ def test_length_grouping_cuts_padding():
     grouped = LengthGroupedSampler(lengths, 32, seed=0)
     plain = LengthGroupedSampler(lengths, 32, seed=0, group_by_length=False)
     assert padding(list(grouped)) < 0.1 < 0.3 < padding(list(plain))
+
+
+def test_evaluation_averages_the_loss_over_units_and_pads_outputs_with_the_ignore_index(tiny_model):
+    """A task with a unit per token (token classification, causal LM): eval_loss is the summed loss over the summed
+    units of the whole set (not a mean per example), and outputs of batches of other widths are padded with the
+    ignore index (-100), which the task's metrics skip, never with a label id such as 0."""
+    import torch
+    from accelerate import Accelerator
+
+    from src.evaluation import evaluate
+    from src.loaders import build_eval_dataloader
+    from src.tasks.base import Step, Task
+
+    class PerToken(Task):
+        def step(self, model, batch):
+            known = batch["attention_mask"].bool()
+            rows = batch["labels"]  # the row's number
+            units = known.sum(-1)
+            label = torch.where(known, rows[:, None], torch.full_like(known, -100, dtype=torch.long))
+            loss = rows.double() * units  # each of the row's tokens costs the row's number
+            return Step(loss.sum(), units.sum(), {"loss": loss, "units": units, "label": label})
+
+    dataset = indexed_dataset(11)  # 2 to 12 tokens a row: batches of 3 have other widths
+    lengths = torch.tensor(dataset[LENGTH_COLUMN])
+    loader = build_eval_dataloader(dataset, padding_collator(AutoTokenizer.from_pretrained(tiny_model)), 3)
+    accelerator = Accelerator(cpu=True)
+    metrics, columns = evaluate(torch.nn.Module(), accelerator.prepare(loader), accelerator, PerToken())
+    assert metrics["eval_samples"] == 11 and columns["index"].tolist() == list(range(11))
+    expected = (torch.arange(11) * lengths).sum().item() / lengths.sum().item()
+    assert metrics["eval_loss"] == pytest.approx(expected)
+    assert columns["label"].shape == (11, lengths.max().item())
+    assert ((columns["label"] != -100).sum(-1) == lengths).all(), "padding counted as labels"
+    assert all((row[row != -100] == i).all() for i, row in enumerate(columns["label"]))

@@ -65,6 +65,8 @@ def test_two_ranks_of_four_train_like_one_rank_of_eight(two_rank_run, one_rank_t
     assert results(two)["num_processes"] == 2 and results(two)["total_train_batch_size"] == 8
     assert results(two)["eval_samples"] == 21, "21 rows on 2 ranks: the repeat that evens them out is not counted"
     assert results(two)["global_step"] == results(one)["global_step"]
+    # The last epoch's mean step loss, each step's summed over both ranks (not one rank's, nor their mean).
+    assert results(two)["train_loss"] == pytest.approx(results(one)["train_loss"], abs=LOSS_ATOL)
 
     # Every record (the training loss of each step, each evaluation) at the same step with the same values.
     first, second = records(one), records(two)

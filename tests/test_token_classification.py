@@ -392,6 +392,16 @@ def test_a_loss_of_your_own_is_one_method():
     assert step.units == 3 and step.loss == pytest.approx(3 * smoothed.item(), rel=1e-6)
 
 
+def test_the_units_counted_before_a_step_are_the_label_tokens_it_sums_over():
+    """The loop divides each batch's summed loss by the whole step's units on all ranks, counted by units() before the
+    forward pass: the labelled sub-tokens, as step() counts them, not the padding or the ignored positions."""
+    logits, labels = torch.randn(2, 4, 3), torch.tensor([[IGNORE, 0, 2, IGNORE], [IGNORE, 1, IGNORE, IGNORE]])
+    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": labels}
+    task = TokenClassification(("B-X", "I-X", "O"))
+    units = task.units(batch)
+    assert units == task.step(lambda **_: {"logits": logits}, dict(batch)).units == 3
+
+
 def test_a_tagger_of_your_own_reads_its_tags_from_its_own_files(tmp_path):
     """A task built on TokenClassification whose model is not a Transformers model (no config.json) says where its
     tags are saved: evaluate.py's from_record reads them through trained_labels(), as for sequence classification."""

@@ -255,6 +255,19 @@ def test_evaluate_script_writes_results_predictions_and_picture(trained_tiny_mod
     assert pictures == [counts] and sum(map(sum, counts)) == 37
 
 
+def test_evaluate_writes_its_files_from_the_main_process_only(trained_tiny_model, tmp_path, monkeypatch):
+    """Every rank evaluates and returns the metrics; only the main process writes them (the others would write the
+    same files at once). Here this process plays a rank other than the main one."""
+    from accelerate import Accelerator
+
+    data = write_rows(tmp_path / "dev.csv", sentiment_rows(5, seed=2))
+    monkeypatch.setattr(Accelerator, "is_main_process", property(lambda self: False))
+    metrics = run_evaluate("--model_name_or_path", trained_tiny_model, "--validation_file", data,
+                           "--output_dir", tmp_path / "eval")  # fmt: skip
+    assert metrics["eval_samples"] == 5
+    assert not (tmp_path / "eval").exists(), "nothing written by a rank other than the main one"
+
+
 def test_a_failed_run_leaves_no_accelerate_state_behind(tiny_model, trained_tiny_model, tmp_path):
     """A run that fails once Accelerate is set up (here: validation data without the label column) drops its state as
     a finished run does, so that the next run in the notebook, in another precision, starts as in a new process."""
