@@ -3,6 +3,7 @@
 All in this process on the tiny BERT and a few rows, except the --max_time vote, which needs two real ranks.
 """
 
+import argparse
 import importlib.util
 import json
 import signal
@@ -358,6 +359,21 @@ def test_main_gives_back_the_signal_handlers_when_it_raises(tiny_model, data, tm
     )
     assert inside[signal.SIGHUP] is signal.SIG_IGN
     assert after == found
+
+
+def test_max_time_counts_minutes(tiny_model, data, tmp_path, monkeypatch):
+    """--max_time 1 is a minute: a clock 59 s past the loop's start lets the run finish, one 61 s past it stops the
+    run after its first step with a checkpoint (the run's own clock, shifted: nothing waits a minute)."""
+    clock = train.time.perf_counter
+    for seconds, name in ((59, "on"), (61, "stopped")):
+        monkeypatch.setattr(train, "time", argparse.Namespace(perf_counter=lambda s=seconds: clock() + s))
+        args = train_args(tiny_model, *data, tmp_path / name, "--max_time", "1", "--num_train_epochs", "1")
+        if name == "on":
+            assert run_train(args)["global_step"] == 2 and checkpoints(tmp_path / name) == []
+        else:
+            with pytest.raises(SystemExit) as stopped:
+                run_train(args)
+            assert stopped.value.code == 0 and checkpoints(tmp_path / name) == ["checkpoint-1"]
 
 
 # ---------------------------------------------------------------- two real ranks

@@ -25,6 +25,10 @@ def run_main(*argv):
     return train.main(train.parse_train_args(list(argv)))
 
 
+def logged_steps(out) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def run_files(out) -> dict:
     """The run's files and when each was last written; not the lock file, which the next run into the folder takes."""
     return {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
@@ -165,6 +169,7 @@ def test_a_save_cut_short_is_ignored_and_replaced_by_the_next_one(tiny_model, da
     args = train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "4")
     run_main(*args)
     reference = {k: v.clone() for k, v in load_file(out / "checkpoint-8" / "model.safetensors").items()}  # not mmap
+    logged = logged_steps(out)
     leftover = out / "checkpoint-8.incomplete"
     (out / "checkpoint-8").rename(leftover)
     (leftover / "model.safetensors").write_bytes(b"\0" * 100)
@@ -181,11 +186,13 @@ def test_a_save_cut_short_is_ignored_and_replaced_by_the_next_one(tiny_model, da
     assert not (out / "checkpoint-8" / "junk.bin").exists()
     saved = load_file(out / "checkpoint-8" / "model.safetensors")
     assert all(torch.equal(saved[k], reference[k]) for k in reference), "steps 5-8 again, to the same weights"
+    assert logged_steps(out) == logged, "the records of steps 5-8 replaced, not doubled"
     # Resumed from an earlier checkpoint, the run goes on from there afresh: the later checkpoint is of the
     # continuation it replaces, and would be 'latest' and outrank the new ones in the rotation.
     run_main(*args, "--resume_from_checkpoint", str(out / "checkpoint-4"), "--max_train_steps", "6")
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"]
     assert resolve_checkpoint("latest", out).name == "checkpoint-4"
+    assert logged_steps(out) == [6, 6], "the replaced continuation's records went too: step 6's log and evaluation"
 
 
 def test_diverging_loss_stops_with_the_step(tiny_model, data, tmp_path):
@@ -231,6 +238,54 @@ def test_patience_that_runs_out_on_a_timed_out_step_ends_the_run_as_without_the_
         load_file(tmp_path / "whole" / "model.safetensors"),
     )
     assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+def test_patience_counts_the_evaluations_since_the_last_strict_improvement(tiny_model, data, tmp_path, monkeypatch):
+    """Accuracies scripted per evaluation: 0.5, 0.4, 0.6 (better: the count starts again), 0.6 (a tie is no better),
+    0.5: the second evaluation in a row without a better one, at step 5, ends the run with patience 2. The best model is
+    step 3's, the first to reach 0.6."""
+    scores, evaluate = iter([0.5, 0.4, 0.6, 0.6, 0.5, 0.4, 0.3, 0.2]), train.evaluate
+
+    def scripted(*args):
+        metrics, outputs = evaluate(*args)
+        return {**metrics, "eval_accuracy": next(scores)}, outputs
+
+    monkeypatch.setattr(train, "evaluate", scripted)
+    out = tmp_path / "out"
+    results = run_main(*train_args(tiny_model, *data, out, "--eval_steps", "1", "--early_stopping_patience", "2",
+                                   "--load_best_model_at_end", "--max_train_steps", "8"))  # fmt: skip
+    assert results["global_step"] == 5 and results["eval_accuracy"] == 0.6
+    best, final = load_file(out / "checkpoint-3" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(torch.equal(best[k], final[k]) for k in final), "the first of the tied evaluations is the best"
+
+
+def test_a_resume_in_a_later_epoch_continues_that_epochs_shuffle(tiny_model, data, tmp_path, monkeypatch):
+    """64 rows in batches of 16, 3 epochs: each epoch deals the rows in an order of its own (the sampler's epoch),
+    and a run resumed from checkpoint-6 (step 2 of epoch 1) trains on the batches the whole run trained on after it,
+    into epoch 2, to the same weights."""
+    batches, build = [], train.build_train_dataloader
+
+    def recording(dataset, collator, *args, **kwargs):
+        def collate(rows):
+            batches.append([tuple(row["input_ids"]) for row in rows])
+            return collator(rows)
+
+        return build(dataset, collate, *args, **kwargs)
+
+    monkeypatch.setattr(train, "build_train_dataloader", recording)
+    flags = ["--per_device_train_batch_size", "16", "--num_train_epochs", "3", "--checkpointing_steps", "6"]
+    run_main(*train_args(tiny_model, *data, tmp_path / "whole", *flags))
+    whole = batches[:]
+    assert len(whole) == 12
+    epochs = [whole[i : i + 4] for i in (0, 4, 8)]
+    assert sorted(sum(epochs[0], [])) == sorted(sum(epochs[1], [])) and epochs[0] != epochs[1] != epochs[2]
+    batches.clear()
+    resumed = tmp_path / "resumed"
+    run_main(*train_args(tiny_model, *data, resumed, *flags, "--resume_from_checkpoint",
+                         str(tmp_path / "whole" / "checkpoint-6")))  # fmt: skip
+    assert batches == whole[6:], "the same batches, in the same order, from the same place in epoch 1"
+    first, second = load_file(tmp_path / "whole" / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(first[k], second[k]) for k in first)
 
 
 def test_the_best_model_is_found_beside_the_checkpoint_resumed_from(tiny_model, data, tmp_path):
@@ -293,15 +348,3 @@ def test_a_second_run_into_a_folder_in_use_is_refused_until_the_first_ends(tiny_
     again = subprocess.run([sys.executable, "-c", lock], cwd=REPO, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-500:]
     assert failed.traceback, "the failed run's frames were still alive"
-
-
-def test_a_resume_in_a_later_epoch_gets_that_epochs_batches(tiny_model, data, tmp_path):
-    """The shuffle of epoch 2 differs from epoch 1's (set_epoch): a run resumed in epoch 2 must be dealt epoch 2's
-    batches, not epoch 1's again, and end with the uninterrupted run's weights."""
-    step = 10  # 8 steps of 8 rows an epoch: within epoch 2, which steps 11 and 12 go on in
-    flags = ["--checkpointing_steps", str(step), "--eval_steps", "100", "--max_train_steps", "12"]
-    run_main(*train_args(tiny_model, *data, tmp_path / "whole", *flags))
-    resume = ["--resume_from_checkpoint", str(tmp_path / "whole" / f"checkpoint-{step}")]
-    run_main(*train_args(tiny_model, *data, tmp_path / "resumed", *flags, *resume))
-    whole, resumed = (load_file(tmp_path / name / "model.safetensors") for name in ("whole", "resumed"))
-    assert all(torch.equal(whole[k], resumed[k]) for k in whole)

@@ -212,6 +212,13 @@ def test_resume_with_other_batching_settings_is_refused(tmp_path, tiny_model, ti
     clipped = [*changed[:-2], "--max_grad_norm", "0.5"]
     with pytest.raises(train.UserError, match=r"other settings \(--max_grad_norm 1.0 -> 0.5\)"):
         train.main(train.parse_train_args(clipped))
+    # What deals the rows into updates, and the schedule's shape: the run would go on with other batches or rates.
+    for flag, value, said in (("--per_device_train_batch_size", "4", "8 -> 4"),
+                              ("--gradient_accumulation_steps", "2", "1 -> 2"),
+                              ("--group_by_length", "false", "True -> False"),
+                              ("--lr_scheduler_type", "cosine", "linear -> cosine")):  # fmt: skip
+        with pytest.raises(train.UserError, match=rf"other settings \({flag} {said}\)"):
+            train.main(train.parse_train_args([*changed[:-2], flag, value]))
     # The best model so far was chosen by accuracy: its value is not a loss to compare with.
     other_metric = [*changed[:-2], "--metric_for_best_model", "loss"]
     with pytest.raises(train.UserError, match=r"other settings \(--metric_for_best_model accuracy -> loss; --greater"):

@@ -30,9 +30,11 @@ def max_difference(a, b) -> float:
 
 
 def test_gradient_accumulation_equals_the_larger_batch(tiny_model_no_dropout, tiny_data, tmp_path):
-    """4 rows accumulated twice update the model as 8 rows at once, with the default length grouping."""
-    run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, tmp_path / "eight"))
-    accumulate = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
+    """4 rows accumulated twice update the model as 8 rows at once, with the default length grouping. 60 rows: each
+    epoch ends with an update of 4 rows, one batch where 2 are accumulated."""
+    sixty = ["--max_train_samples", "60"]
+    run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, tmp_path / "eight", *sixty))
+    accumulate = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", *sixty]
     run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, tmp_path / "four-twice", *accumulate))
     eight, accumulated = results(tmp_path / "eight"), results(tmp_path / "four-twice")
     assert accumulated["total_train_batch_size"] == eight["total_train_batch_size"] == 8
@@ -88,6 +90,11 @@ def test_the_schedules_own_arguments(capsys):
         rates("--lr_scheduler_kwargs", '{"num_cycles": "x"}', "--num_warmup_steps", "2")
     with pytest.raises(train.UserError, match=r"--lr_scheduler_kwargs \{\"lr_end\": 2.0\}: lr_end \(2.0\) must be"):
         rates("--lr_scheduler_kwargs", '{"lr_end": 2.0}', "--lr_scheduler_type", "polynomial")
+    # --warmup_ratio's share of the steps is rounded up, as Trainer's: 25% of 10 steps warm up for 3.
+    args = train.parse_train_args(["--lr_scheduler_type", "linear", "--warmup_ratio", "0.25"])
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    (rate_at,) = train.build_scheduler(optimizer, args, 10).lr_lambdas
+    assert [rate_at(step) for step in (2, 3)] == pytest.approx([2 / 3, 1.0])
     with pytest.raises(train.UserError, match="--lr_scheduler_type constant takes no --lr_scheduler_kwargs"):
         rates("--lr_scheduler_kwargs", '{"num_cycles": 2}', "--lr_scheduler_type", "constant")
     with pytest.raises(SystemExit):
