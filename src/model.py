@@ -195,21 +195,21 @@ def _check_head_counts(config, overrides: str):
 
 
 def load_model(
-    auto_class, name_or_path: str | None, config, *, lora=False, mixed_precision="no", trust_remote_code=False,
-    ignore_mismatched_sizes=True, kv_cache=False,
+    auto_class, name_or_path: str | None, config, *, lora=False, new_head=True, mixed_precision="no",
+    trust_remote_code=False, ignore_mismatched_sizes=True, kv_cache=False,
 ):  # fmt: skip
     """The model to fine-tune: `auto_class` (e.g. AutoModelForSequenceClassification) from `name_or_path` with
     `config` (see load_config); a new head if the checkpoint's is missing or, with `ignore_mismatched_sizes`, of
     another size. No `name_or_path`: a new model with random weights, from `config`. `lora`: the weights will be frozen
-    under LoRA adapters (see `weights_dtype`). `kv_cache`: keep it on in the config (see _without_kv_cache). On a
-    rank that prepare() gives rank 0's weights (`weights_come_from_rank_0`), the parameters are left empty, on the
-    meta device, and nothing is read."""
+    under LoRA adapters (see `weights_dtype`), all but a new head (`new_head`, see add_lora). `kv_cache`: keep it on in
+    the config (see _without_kv_cache). On a rank that prepare() gives rank 0's weights (`weights_come_from_rank_0`),
+    the parameters are left empty, on the meta device, and nothing is read."""
     dtype = weights_dtype(lora, mixed_precision) if name_or_path else torch.float32
     model = empty_on_this_rank(auto_class, config, dtype, trust_remote_code)
     if model is None and name_or_path is None:
         model = _from_config(auto_class, config, dtype, trust_remote_code)
     elif model is None:
-        model = _load(
+        model, loading = _load(
             "model",
             auto_class.from_pretrained,
             # A local folder by its absolute path: a LoRA adapter records it as its base model.
@@ -218,9 +218,26 @@ def load_model(
             dtype=dtype,
             ignore_mismatched_sizes=ignore_mismatched_sizes,
             trust_remote_code=trust_remote_code,
+            output_loading_info=True,
         )
         check_tied_as_configured(model, name_or_path)
+        if lora:
+            refuse_random_frozen_weights(model, loading["missing_keys"], name_or_path, new_head)
     return model if kv_cache else _without_kv_cache(model)
+
+
+def refuse_random_frozen_weights(model, missing_keys, name_or_path, new_head):
+    """Under LoRA only the adapters and a new head train, and only they are saved: weights that the checkpoint lacks
+    (BERT's LM head, for a causal LM) would stay random, and every later load would draw others."""
+    from src.lora import head_modules
+
+    trained_in_full = tuple(f"{name}." for name in head_modules(model)) if new_head else ()
+    if frozen := sorted(key for key in missing_keys if not key.startswith(trained_in_full)):
+        raise UserError(
+            f"--use_peft trains adapters on pretrained weights, and {name_or_path} has none for "
+            f"{', '.join(frozen[:3])}{f' (and {len(frozen) - 3} more)' if len(frozen) > 3 else ''}: they would stay "
+            "random. Drop --use_peft to train the whole model, or start from a checkpoint that holds them"
+        )
 
 
 def _from_config(auto_class, config, dtype, trust_remote_code):

@@ -451,6 +451,31 @@ def test_an_encoder_is_switched_to_a_decoder_and_never_sees_the_tokens_it_predic
     assert torch.equal(first, second)
 
 
+def test_a_lora_adapter_on_an_encoder_keeps_it_a_decoder_in_evaluate_py(tiny_model, tmp_path):
+    """The adapter folder of an encoder switched to a decoder holds the switched config: on the base's own config,
+    evaluate.py would let each position see the tokens it predicts, and score another model than the run did.
+    A base without a language-modelling head is refused: LoRA would leave a random one frozen and unsaved."""
+    from transformers import AutoTokenizer, BertForMaskedLM
+
+    rows = [{"prompt": "the plot was", "completion": "good"}, {"prompt": "the acting was", "completion": "bad"}] * 4
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    flags = ["--task", "causal-lm", "--use_peft", "--max_train_steps", "1", "--max_length", "16"]
+    headless = "--use_peft trains adapters on pretrained weights, and .* has none for cls.predictions.bias, .* more"
+    with pytest.raises(UserError, match=headless):  # the tiny classifier's checkpoint: no LM head
+        run_in_process("train", train_args(tiny_model, data, data, out, *flags))
+    base = tmp_path / "bert-lm"  # with a language-modelling head of its own, which LoRA leaves frozen and unsaved
+    BertForMaskedLM.from_pretrained(tiny_model).save_pretrained(base)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(base)
+    results = run_in_process("train", train_args(base, data, data, out, *flags))
+    assert json.loads((out / "config.json").read_text())["is_decoder"] is True
+    argv = ["--model_name_or_path", str(out), "--validation_file", str(data), "--output_dir", str(tmp_path / "eval"),
+            "--per_device_eval_batch_size", "8"]  # fmt: skip
+    # The run's evaluation batches (8 rows): the same computation, so the same loss to the last bit.
+    assert run_in_process("evaluate", argv)["eval_loss"] == results["eval_loss"]
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -467,6 +492,19 @@ def test_new_model_flags_that_contradict_each_other_are_one_line(flags, message,
     with pytest.raises(SystemExit):
         parse_train_args(["--train_file", "t.txt", *flags])
     assert message in capsys.readouterr().err
+
+
+def test_evaluate_py_reads_a_text_file_as_its_run_did(tiny_decoders, tmp_path):
+    """A run with --no_keep_linebreaks: evaluate.py reads a .txt file's lines without their line breaks too (a
+    byte-level tokenizer makes each one a token), and scores what the run scored."""
+    text = tmp_path / "train.txt"
+    text.write_text("".join(f"the plot was {'good' if i % 2 else 'bad'}\n" for i in range(16)))
+    out = tmp_path / "out"
+    flags = ["--no_keep_linebreaks", "--max_train_steps", "1", "--max_length", "16"]
+    results = run_in_process("train", train_args(tiny_decoders["gpt2"], text, text, out, *flags))
+    argv = ["--model_name_or_path", str(out), "--validation_file", str(text), "--output_dir", str(tmp_path / "eval"),
+            "--per_device_eval_batch_size", "8"]  # fmt: skip
+    assert run_in_process("evaluate", argv)["eval_loss"] == results["eval_loss"]
 
 
 def test_keep_linebreaks_in_both_spellings(tmp_path):

@@ -3,6 +3,7 @@
 
 import csv
 import json
+import re
 import shutil
 import warnings
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ from conftest import (
     WEIGHTS_ATOL,
     launch,
     load_script,
+    run_model_card_snippet,
     sentiment_files,
     sentiment_rows,
     train_args,
@@ -33,6 +35,7 @@ from src.errors import UserError
 from src.lora import head_modules
 from src.model import load_tokenizer, load_trained_model, prepare_for_training, resolve_max_length, save_model
 from src.plan import BatchSizes
+from src.tasks import task_of_model
 from src.tasks.sequence_classification import SINGLE_LABEL, SequenceClassification
 
 train = load_script("train")
@@ -151,6 +154,9 @@ def test_decoders_keep_no_kv_cache_nor_does_their_saved_folder(tiny_decoders, tm
             out.mkdir()  # as train.py made it
             save_model(Accelerator(cpu=True), model, out, AutoModelForSequenceClassification, merge_lora=merge)
             assert json.loads((out / "config.json").read_text())["use_cache"] is False, (layout, merge)
+            # A classifier by its class too, not the causal LM the base was saved as: a folder without args.json is
+            # evaluated (and shown on the Hub) as the model its config names.
+            assert task_of_model(out) == "sequence-classification", (layout, merge)
             # as evaluate.py loads it
             loaded = load_trained_model(AutoModelForSequenceClassification, str(out), tokenizer.pad_token_id)
             assert loaded.config.use_cache is False, (layout, merge)
@@ -198,6 +204,29 @@ def test_frozen_weights_keep_the_checkpoint_dtype_under_mixed_precision(tiny_dec
     assert dtypes("--use_peft", mixed_precision="bf16") == ({torch.float32}, {torch.bfloat16})
     assert dtypes("--use_peft", mixed_precision="no") == ({torch.float32}, {torch.float32})
     assert dtypes(mixed_precision="bf16") == ({torch.float32}, set()), "full fine-tuning: fp32 master weights"
+
+
+def test_a_lora_folder_on_a_bf16_base_loads_with_the_dtypes_it_trained_in(tiny_decoders, tmp_path):
+    """evaluate.py, in the run's bf16, loads the frozen base in bf16 as training had it and the trained head in fp32,
+    exactly as saved: a head rounded to bf16 would score otherwise than the run's own evaluations did."""
+    bf16 = tmp_path / "bf16"
+    AutoModelForSequenceClassification.from_pretrained(tiny_decoders["llama"], dtype=torch.bfloat16).save_pretrained(
+        bf16
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_decoders["llama"] / name, bf16 / name)
+    model, tokenizer = built(bf16, "--use_peft", mixed_precision="bf16")
+    out = tmp_path / "out"
+    out.mkdir()  # as train.py made it
+    save_model(Accelerator(cpu=True), model, out, AutoModelForSequenceClassification)
+    loaded = load_trained_model(AutoModelForSequenceClassification, str(out), tokenizer.pad_token_id, "bf16")
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    again = dict(loaded.named_parameters())
+    assert any(".modules_to_save." in n for n in trained), "the head is among the trained weights"
+    changed = [n for n, p in trained.items() if again[n].dtype != torch.float32 or not torch.equal(again[n], p)]
+    assert not changed, changed
+    frozen = {p.dtype for n, p in loaded.named_parameters() if n not in trained and "original_module" not in n}
+    assert frozen == {torch.bfloat16}
 
 
 def test_lora_output_checkpoints_resume_and_evaluation(tiny_decoders, data, tmp_path):
@@ -263,6 +292,9 @@ def test_merged_lora_output_is_a_plain_model(tiny_decoders, data, tmp_path):
     model = AutoModelForSequenceClassification.from_pretrained(out)
     assert type(model).__name__ == "GPT2ForSequenceClassification"
     assert model.config.id2label == {0: "negative", 1: "positive"} and "lora" not in str(list(weights(out)))
+    # Its card loads it as the plain model it is (the flag asked for LoRA, but no adapter is left to load on a base).
+    assert "library_name: transformers" in (out / "README.md").read_text()
+    assert re.search(r"'label': '(negative|positive)'", run_model_card_snippet(out))
     metrics = run_evaluate(out, data[1], tmp_path / "eval")
     assert metrics["eval_accuracy"] == results["eval_accuracy"]
     assert metrics["eval_loss"] == pytest.approx(results["eval_loss"], abs=1e-5)  # merging rounds: W + BA

@@ -242,6 +242,22 @@ def test_a_head_trained_on_other_labels_is_said_and_a_folder_without_a_model_has
     assert in_checkpoint_order(tokenizer_only, ("b", "a")) == ("b", "a")
 
 
+def test_evaluate_reads_the_columns_the_model_was_trained_on(tiny_model):
+    """A run trained with --text_column review --label_column stars: evaluate.py reads those columns again without the
+    flags, not the conventional 'text' and 'label' beside them; a flag still wins, and a column the data lacks is
+    found anew."""
+    record = {"text_column": "review", "text_pair_column": None, "label_column": "stars"}
+
+    def columns(names, **flags):
+        args = SimpleNamespace(**{"text_column": None, "text_pair_column": None, "label_column": None, **flags},
+                               multi_label_threshold=None, trust_remote_code=False)  # fmt: skip
+        return SequenceClassification.from_record(record, args, str(tiny_model), names).columns
+
+    assert columns(["text", "review", "label", "stars"]) == ("review", None, "stars")
+    assert columns(["text", "review", "label", "stars"], text_column="text") == ("text", None, "stars")
+    assert columns(["text", "label"]) == ("text", None, "label")
+
+
 def test_string_labels_in_a_column_named_labels_become_class_ids(tmp_path, tiny_model):
     """datasets types an output column like the input column of the same name: a CSV's `labels` of class names
     would come back as the ids written as strings, which no collator can batch."""

@@ -120,7 +120,7 @@ class Task:
         config = load_config(args, self.config_fields(), tokenizer, decoder=self.predicts_next_token)
         return load_model(
             getattr(transformers, self.auto_class), args.model_name_or_path, config, lora=args.use_peft,
-            mixed_precision=mixed_precision, trust_remote_code=args.trust_remote_code,
+            new_head=self.new_head, mixed_precision=mixed_precision, trust_remote_code=args.trust_remote_code,
             ignore_mismatched_sizes=args.ignore_mismatched_sizes, kv_cache=self.predicts_next_token,
         )  # fmt: skip
 
