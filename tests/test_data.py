@@ -9,10 +9,18 @@ from conftest import sentiment_rows, write_rows
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from src.data import check_column_flags, detect_columns, load_file
+from src.args import parse_train_args
+from src.data import check_column_flags, detect_columns, load_file, load_raw_splits
 from src.demo_data import make_demo_splits
 from src.errors import UserError
-from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, LengthGroupedSampler, build_train_dataloader, padding_collator
+from src.loaders import (
+    INDEX_COLUMN,
+    LENGTH_COLUMN,
+    LengthGroupedSampler,
+    build_eval_dataloader,
+    build_train_dataloader,
+    padding_collator,
+)
 from src.tasks.sequence_classification import SINGLE_LABEL, SequenceClassification
 
 
@@ -60,6 +68,30 @@ def test_file_errors_name_the_file(tmp_path):
     (tmp_path / "latin1.csv").write_bytes("sentence,label\ncaf\u00e9,1\n".encode("latin-1"))
     with pytest.raises(UserError, match=r"latin1.csv: not UTF-8 text \(it holds the byte 0xe9\); save it as UTF-8"):
         load_file(tmp_path / "latin1.csv")
+
+
+def test_a_text_files_lines_keep_their_line_breaks_unless_told(tmp_path):
+    (tmp_path / "lines.txt").write_text("the plot was good\nthe plot was bad\n")
+    assert load_file(tmp_path / "lines.txt")["text"] == ["the plot was good\n", "the plot was bad\n"]
+    assert load_file(tmp_path / "lines.txt", keep_linebreaks=False)["text"] == ["the plot was good", "the plot was bad"]
+
+
+def test_the_validation_split_is_held_out_of_the_training_rows(tmp_path):
+    """Without a validation file, --validation_split_percentage of the rows validate and only the others train: the
+    two are disjoint and together the file. The same seed holds out the same rows, another seed others."""
+    rows = [{"sentence": f"row {i}", "label": i % 2} for i in range(50)]
+    data = write_rows(tmp_path / "all.jsonl", rows)
+
+    def split(*flags):
+        args = parse_train_args(["--train_file", str(data), "--validation_split_percentage", "20", *flags])
+        splits = load_raw_splits(args)
+        return list(splits["train"]["sentence"]), list(splits["validation"]["sentence"])
+
+    train, validation = split()
+    assert (len(train), len(validation)) == (40, 10)
+    assert sorted(train + validation) == sorted(row["sentence"] for row in rows), "every row once, in one split"
+    assert split() == (train, validation)
+    assert split("--seed", "8") != (train, validation)
 
 
 @pytest.mark.parametrize(
@@ -208,6 +240,15 @@ def test_length_grouping_cuts_padding():
     grouped = LengthGroupedSampler(lengths, 32, seed=0)
     plain = LengthGroupedSampler(lengths, 32, seed=0, group_by_length=False)
     assert padding(list(grouped)) < 0.1 < 0.3 < padding(list(plain))
+
+
+def test_evaluation_batches_run_longest_first(tiny_model):
+    """Rows of similar lengths together, the longest first: the least padding, and a batch too large for memory fails
+    at the first evaluation step rather than at the end (evaluate() puts the results back in row order)."""
+    dataset = indexed_dataset(45)
+    loader = build_eval_dataloader(dataset, padding_collator(AutoTokenizer.from_pretrained(tiny_model)), 4)
+    widths = [batch["input_ids"].shape[1] for batch in loader]
+    assert widths == sorted(widths, reverse=True) and widths[0] == max(dataset[LENGTH_COLUMN])
 
 
 def test_evaluation_averages_the_loss_over_units_and_pads_outputs_with_the_ignore_index(tiny_model):

@@ -407,6 +407,15 @@ def test_auto_batch_size_backs_off_keeps_the_total_and_its_size_on_resume(
     assert all(torch.equal(a[k], c[k]) for k in a)
 
 
+def test_auto_batch_size_multiplies_the_accumulation_asked_for(tiny_model, data, tmp_path, monkeypatch, caplog):
+    """8 rows accumulated twice, of which 2 fit: 2 rows accumulated 8 times, the total batch of 16 kept."""
+    monkeypatch.setattr(PreTrainedModel, "__call__", out_of_memory_above(2), raising=False)
+    auto = run_train(*train_args(tiny_model, *data, tmp_path / "auto", "--gradient_accumulation_steps", "2",
+                                 "--max_train_steps", "1", "--auto_find_batch_size"))  # fmt: skip
+    assert "--per_device_train_batch_size 2 and --gradient_accumulation_steps 8 (was 8 and 2)" in caplog.text
+    assert auto["total_train_batch_size"] == 16
+
+
 def test_auto_batch_size_also_fits_the_evaluation_batch(tiny_model, data, tmp_path, monkeypatch, caplog):
     """Training fits 8 rows, evaluation (without gradients, beside AdamW's moments) only 3: the evaluation batch
     is halved from 8 to 2, said in the log, saved in args.json, and the run evaluates as if asked for 2."""

@@ -159,3 +159,31 @@ def test_subsets_and_length_grouping(tiny_model_no_dropout, tiny_data, tmp_path)
     assert json.loads((tmp_path / "random" / "args.json").read_text())["group_by_length"] is False
     grouped, random = (results(tmp_path / name)["train_padding_fraction"] for name in ("grouped", "random"))
     assert grouped < random
+
+
+def test_an_uneven_accumulation_and_steps_beyond_the_epochs(tiny_model_no_dropout, tiny_data, tmp_path):
+    """8 batches an epoch accumulated 3 at a time are 3 updates (the last of 2 batches), not 2: one epoch trains every
+    batch. --max_train_steps beyond --num_train_epochs' steps goes on into further epochs."""
+    uneven = tmp_path / "uneven"
+    run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, uneven, "--num_train_epochs", "1",
+                                       "--gradient_accumulation_steps", "3"))  # fmt: skip
+    assert (results(uneven)["global_step"], results(uneven)["epoch"]) == (3, 1.0)
+    longer = tmp_path / "longer"
+    run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, longer, "--num_train_epochs", "1",
+                                       "--max_train_steps", "12"))  # fmt: skip
+    assert (results(longer)["global_step"], results(longer)["epoch"]) == (12, 1.5)
+    assert json.loads((longer / "args.json").read_text())["num_epochs"] == 2
+
+
+def test_the_subsets_are_the_files_first_rows(tiny_model_no_dropout, tiny_data, tmp_path):
+    """--max_train_samples 16 and --max_eval_samples 7 train and evaluate exactly as files of the first 16 and 7 rows
+    do: the same weights and the same evaluation."""
+    first = []
+    for path, count in zip(tiny_data, (16, 7)):
+        first.append(tmp_path / f"first-{path.name}")
+        first[-1].write_text("".join(path.read_text().splitlines(keepends=True)[: count + 1]))  # with the header
+    subset = ["--max_train_samples", "16", "--max_eval_samples", "7", "--num_train_epochs", "1"]
+    run_in_process("train", train_args(tiny_model_no_dropout, *tiny_data, tmp_path / "subset", *subset))
+    run_in_process("train", train_args(tiny_model_no_dropout, *first, tmp_path / "first", "--num_train_epochs", "1"))
+    assert max_difference(tmp_path / "subset", tmp_path / "first") == 0
+    assert results(tmp_path / "subset")["eval_loss"] == results(tmp_path / "first")["eval_loss"]
