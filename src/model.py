@@ -232,7 +232,8 @@ def refuse_random_frozen_weights(model, missing_keys, name_or_path, new_head):
     from src.lora import head_modules
 
     trained_in_full = tuple(f"{name}." for name in head_modules(model)) if new_head else ()
-    if frozen := sorted(key for key in missing_keys if not key.startswith(trained_in_full)):
+    weights = dict(model.named_parameters())  # not a buffer that the model computes (position ids)
+    if frozen := sorted(key for key in missing_keys if key in weights and not key.startswith(trained_in_full)):
         raise UserError(
             f"--use_peft trains adapters on pretrained weights, and {name_or_path} has none for "
             f"{', '.join(frozen[:3])}{f' (and {len(frozen) - 3} more)' if len(frozen) > 3 else ''}: they would stay "
