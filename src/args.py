@@ -283,7 +283,9 @@ def _epochs(text):
 
 def _trackers(text) -> str:
     """`tensorboard`, or `tensorboard,wandb` (as args.json holds several): each one of TRACKERS."""
-    names = [name.strip() for name in text.split(",")]
+    names = [name.strip() for name in text.split(",") if name.strip()]  # `tensorboard, wandb`: two words, one comma
+    if not names:
+        raise argparse.ArgumentTypeError(f"must name a tracker ({', '.join(TRACKERS)}), got {text!r}")
     if unknown := [name for name in names if name not in TRACKERS]:
         raise argparse.ArgumentTypeError(f"invalid choice: {unknown[0]!r} (choose from {', '.join(TRACKERS)})")
     return ",".join(names)
@@ -961,15 +963,17 @@ def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> arg
         parser.error("--resume_from_checkpoint continues a run and --overwrite_output_dir discards it: choose one")
     if args.merge_lora and not args.use_peft:
         parser.error("--merge_lora merges a LoRA adapter into the model: it needs --use_peft")
-    if isinstance(args.lora_target_modules, list):  # one text, as args.json has always held it
-        args.lora_target_modules = ",".join(args.lora_target_modules)
+    # One text, as args.json has always held it, in one spelling: `q_proj, v_proj` (one word or two) is `q_proj,v_proj`,
+    # which a resume compares it with.
+    words = args.lora_target_modules if isinstance(args.lora_target_modules, list) else [args.lora_target_modules]
+    args.lora_target_modules = ",".join(name.strip() for word in words for name in word.split(",") if name.strip())
     lora_settings = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
     changed = [f"--{name}" for name in lora_settings if getattr(args, name) != parser.get_default(name)]
     if changed and not args.use_peft:  # without it the whole model trains and these would be silently ignored
         parser.error(
             f"{', '.join(changed)} set(s) up LoRA: add --use_peft, or drop {'it' if len(changed) == 1 else 'them'}"
         )
-    if not args.lora_target_modules.replace(",", "").strip():
+    if not args.lora_target_modules:
         parser.error("--lora_target_modules needs module names (e.g. q_proj,v_proj) or all-linear")
     if isinstance(args.report_to, list):  # one text, "tensorboard,wandb", as args.json has always held one tracker
         trackers = list(dict.fromkeys(",".join(args.report_to).split(",")))

@@ -68,6 +68,7 @@ def test_defaults_are_sensible():
         (["--dataset_config_name", "mrpc"], "--dataset_config_name needs --dataset_name"),
         (["--resume_from_checkpoint", "latest", "--overwrite_output_dir"], "choose one"),
         (["--text_column", "a", "--text_pair_column", "a"], "--text_pair_column must differ"),
+        (["--tokenizer_name", "outputs/run/"], "--output_dir outputs/run is --tokenizer_name's folder: the run would"),
         (["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
         (
             ["--lerning_rate", "1"],
@@ -202,6 +203,7 @@ def test_help_groups_flags_and_shows_defaults(capsys):
     for group in ("model:", "data (", "training:", "evaluation:", "checkpoints:", "logging:"):
         assert group in text
     assert "(default: 0.01)" in text  # --weight_decay: defaults are shown
+    assert "  --use_peft [true|false], --no-use_peft\n" in text  # an on/off flag's --no- form takes no value
 
 
 def test_report_to_takes_trainers_list_of_trackers(tmp_path, capsys, monkeypatch):
@@ -221,6 +223,8 @@ def test_report_to_takes_trainers_list_of_trackers(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: name in ("wandb", "mlflow") or installed(name))
     several = parse("--report_to", "tensorboard", "wandb", "--with_tracking").report_to
     assert several == parse("--report_to", "tensorboard,wandb").report_to == "tensorboard,wandb"  # args.json's, too
+    assert parse("--report_to", "tensorboard,", "wandb").report_to == several  # the shell's split of `a, b`
+    assert "--report_to: must name a tracker" in error_of(capsys, "--report_to", ",")
     config.write_text("report_to: [wandb, mlflow]\n")
     assert parse("--config", str(config)).report_to == "wandb,mlflow"
     # TensorBoard beside another tracker writes into the folder named as the others' project: the output folder's.
@@ -299,7 +303,8 @@ def test_the_example_run_files_hold_only_train_py_flags():
 
 
 def test_lora_target_modules_take_trls_spaces_and_our_commas():
-    for argv in (["q_proj", "v_proj"], ["q_proj,v_proj"]):
+    """One spelling in args.json, which a resume compares: the shell's split of `q_proj, v_proj` too."""
+    for argv in (["q_proj", "v_proj"], ["q_proj,v_proj"], ["q_proj,", "v_proj"], ["q_proj, v_proj"]):
         assert parse_train_args(["--use_peft", "--lora_target_modules", *argv]).lora_target_modules == "q_proj,v_proj"
 
 
@@ -330,3 +335,32 @@ def test_evaluate_py_hints_only_at_its_own_flags(capsys):
             parse_eval_args(["--model_name_or_path", "m", "--validation_file", "dev.csv", flag])
         message = capsys.readouterr().err
         assert (hint in message) if hint else ("did you mean" not in message), message
+
+
+def test_the_command_lines_task_wins_over_the_config_files_and_brings_its_flags(tmp_path):
+    """The task decides which flags exist; --task on the command line wins over a shared file's, as any flag does."""
+    config = tmp_path / "run.yaml"
+    config.write_text("task: causal-lm\nseed: 3\n")
+    args = parse_train_args(
+        ["--config", str(config), "--task", "token-classification", "--return_entity_level_metrics"]
+    )
+    assert (args.task, args.return_entity_level_metrics, args.seed) == ("token-classification", True, 3)
+    assert not hasattr(args, "packing")  # the file's task's flags are not registered
+
+
+def test_a_null_config_value_leaves_the_flag_at_its_default(tmp_path):
+    """`key:`, `~` or null: not given (a template's blank, or a merged default taken back), never the text 'None'."""
+    config = tmp_path / "run.yaml"
+    config.write_text("<<: {max_train_steps: 5, seed: 3}\nmax_train_steps: null\nlearning_rate: ~\nuse_peft:\n")
+    args = parse("--config", str(config))
+    assert (args.max_train_steps, args.learning_rate, args.use_peft, args.seed) == (None, None, False, 3)
+
+
+def test_the_parsed_flags_are_read_only():
+    """What a function receives does not depend on when it is called: a value settled later belongs in the Plan."""
+    args = parse_train_args(["--seed", "3"])
+    with pytest.raises(AttributeError, match=r"read-only once parsed \(--seed\); derived values belong in the Plan"):
+        args.seed = 4
+    with pytest.raises(AttributeError, match="read-only"):
+        args.max_length = 64  # nor can a new one be added
+    assert args.seed == 3 and args.max_length is None

@@ -516,6 +516,10 @@ def test_keep_linebreaks_in_both_spellings(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("keep_linebreaks: false\n")
     assert not parse_train_args(["--config", str(config)]).keep_linebreaks
+    config.write_text("no_keep_linebreaks: true\n")  # run_clm_no_trainer.py's spelling as a key too
+    assert not parse_train_args(["--config", str(config)]).keep_linebreaks
+    config.write_text("no_keep_linebreaks: false\n")
+    assert parse_train_args(["--config", str(config)]).keep_linebreaks
 
 
 def test_a_new_models_config_and_tokenizer_errors_name_their_flags(tiny_decoders, tmp_path):

@@ -158,6 +158,11 @@ def test_prompts_without_answers_are_answered_and_rows_that_cannot_be_scored_too
     assert [row["index"] for row in short] == [str(i) for i in range(7)]
     assert sum(row["loss"] == "" for row in short) == 2, "2 of the 7 prompts fill 12 tokens"
     assert [row["generation"] for row in short] == [row["generation"] for row in full]
+    # Each scored row keeps its own scores beside its answer: those of its data row, scored without generating.
+    scored = evaluate_args(trained_lm, tmp_path / "scored", "--max_length", "12")
+    run_in_process("evaluate", [flag for flag in scored if flag != "--predict_with_generate"])
+    assert {row["index"]: (row["tokens"], row["loss"]) for row in short if row["loss"]} == {
+        row["index"]: (row["tokens"], row["loss"]) for row in predictions(tmp_path / "scored")}  # fmt: skip
 
 
 def test_rows_without_prompts_are_one_line_errors(trained_lm, tiny_model, tmp_path):
@@ -196,6 +201,55 @@ def test_a_prompt_longer_than_the_models_positions_keeps_its_end():
     assert _fit([[1] * 9], None, 3) == [[1] * 9]  # no limit the config knows
     with pytest.raises(UserError, match="--generation_max_length 6 leaves no room for a prompt"):
         _fit([[1]], 6, 6)
+
+
+def test_answers_end_at_the_tokenizers_eos_and_at_the_models_own(trained_lm):
+    """The tokenizer's EOS (which train.py appends to every answer) ends an answer, and so does the model's own in its
+    generation_config (a chat model's end of turn), when the two differ. Here each is the word "not" in turn, which
+    the trained model says in most answers."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from src.generation import generate
+
+    tokenizer = AutoTokenizer.from_pretrained(trained_lm["model"])
+    model = AutoModelForCausalLM.from_pretrained(trained_lm["model"])
+    rows = map(json.loads, trained_lm["dev"].read_text().splitlines())
+    prompts = [tokenizer(row["prompt"])["input_ids"] for row in rows]
+    accelerator = Accelerator(cpu=True)
+
+    def answers():
+        return generate(model, prompts, tokenizer, accelerator, 8, int(MAX_NEW_TOKENS), 1)
+
+    free = answers()
+    assert "" in free and any(" not " in answer for answer in free), free  # some end at once, some say "not" and more
+    ending_at_not = [answer[: answer.index(" not") + 4] if " not" in answer else answer for answer in free]
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("not")  # the model's own
+    assert answers() == ending_at_not
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    tokenizer.eos_token = "not"  # the tokenizer's
+    assert answers() == ending_at_not
+
+
+def test_a_prompt_longer_than_gpt2s_learnt_positions_is_answered_from_its_end(tiny_decoders):
+    """GPT-2's 64 learnt positions: a prompt of more tokens keeps its last 64 - 4 beside 4 new tokens (unfitted, its
+    positions past 64 fail with an index error), answered as those 60 tokens alone."""
+    import torch
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from src.generation import generate
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_decoders["gpt2"])
+    tokenizer.pad_token = tokenizer.eos_token  # as the causal-LM task sets it for a tokenizer without one
+    model = AutoModelForCausalLM.from_pretrained(tiny_decoders["gpt2"]).eval()
+    prompt = tokenizer(" ".join(["the plot was good"] * 20))["input_ids"]
+    assert len(prompt) > 64
+    [answer] = generate(model, [prompt], tokenizer, Accelerator(cpu=True), 1, 4, 1)
+    with torch.no_grad():
+        alone = model.generate(torch.tensor([prompt[-60:]]), max_new_tokens=4, do_sample=False,
+                               pad_token_id=tokenizer.eos_token_id)  # fmt: skip
+    assert answer == tokenizer.decode(alone[0, 60:], skip_special_tokens=True)
 
 
 def test_a_saved_causal_lm_keeps_its_kv_cache_on_for_what_generates_with_it(trained_lm):

@@ -248,19 +248,23 @@ def test_the_card_of_the_packaged_model_names_it_by_its_hub_id(tmp_path):
 
 
 def test_a_task_that_gives_no_usage_gets_the_evaluate_py_command(tmp_path):
+    """Commands to paste: a folder with a space in its name is quoted."""
     from src.tasks.base import Task
 
-    write_model_card(tmp_path, {}, {}, Task())
-    card = (tmp_path / "README.md").read_text()
-    assert f"```bash\npython evaluate.py --model_name_or_path {tmp_path} --validation_file" in card
-    write_model_card(
-        tmp_path, {"push_to_hub": True, "hub_model_id": "me/tagger"}, {}, Task()
-    )  # evaluate.py reads a folder
-    card = (tmp_path / "README.md").read_text()
-    assert (
-        f"hf download me/tagger --local-dir {tmp_path.name}\npython evaluate.py --model_name_or_path {tmp_path.name} "
-        in card
-    )
+    folder = tmp_path / "my tagger"
+    folder.mkdir()
+
+    def commands() -> list[list[str]]:
+        card = (folder / "README.md").read_text()
+        return [shlex.split(line) for line in card.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()]
+
+    write_model_card(folder, {}, {}, Task())
+    assert commands() == [["python", "evaluate.py", "--model_name_or_path", str(folder), "--validation_file",
+                           "your_data.csv"]]  # fmt: skip
+    write_model_card(folder, {"push_to_hub": True, "hub_model_id": "me/tagger"}, {}, Task())  # pushed: fetch it
+    assert commands() == [["hf", "download", "me/tagger", "--local-dir", "my tagger"],
+                          ["python", "evaluate.py", "--model_name_or_path", "my tagger", "--validation_file",
+                           "your_data.csv"]]  # fmt: skip
 
 
 def test_every_train_output_has_a_model_card(tmp_path, tiny_model, tiny_data):

@@ -70,6 +70,32 @@ def test_collating_workers_default_to_a_share_of_the_cpus_on_gpus_and_to_none_wi
     assert collating_workers(0, cuda) == 0
 
 
+def test_logged_throughput_is_of_the_training_time_since_the_last_log(monkeypatch):
+    """metrics.jsonl's samples/s and tokens/s: the rows and real (unpadded) tokens since the last log over the time
+    trained since then, evaluations and checkpoints (`paused`) left out; the run's totals keep every row and token."""
+    from types import SimpleNamespace
+
+    import src.throughput
+    from src.throughput import ThroughputWindow
+
+    now = [100.0]
+    monkeypatch.setattr(src.throughput, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    one_rank = SimpleNamespace(reduce=lambda tensor, reduction: tensor)
+    window = ThroughputWindow("cpu")
+    step = SimpleNamespace(loss=torch.tensor(6.0), units=torch.tensor(3))
+    now[0] += 2
+    window.add(step, (3, 30, 40))  # 3 rows of 30 real tokens, padded to 40
+    with window.paused():
+        now[0] += 100  # an evaluation
+    now[0] += 1
+    window.add(step, (3, torch.tensor(30), 40))
+    assert window.flush(one_rank) == {"loss": 2.0, "samples_per_second": 2.0, "tokens_per_second": 20.0}
+    now[0] += 4
+    window.add(step, (4, 20, 40))
+    assert window.flush(one_rank) == {"loss": 2.0, "samples_per_second": 1.0, "tokens_per_second": 5.0}
+    assert window.totals == {"samples": 10, "tokens": 80, "padded_tokens": 120}
+
+
 def test_benchmark_targets_report_met_and_missed():
     from run_benchmark import target_lines
 

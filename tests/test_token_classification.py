@@ -208,6 +208,11 @@ def test_tags_by_number_a_label_column_and_null_words_or_tags():
     categorised = Dataset.from_list([{"text": "a film", "category": "film"}])
     assert detect_task(categorised)[0].name == "sequence-classification"  # not text to learn: `text` is not alone
     assert detect_task(categorised, "category")[0].name == "sequence-classification"
+    # Word and tag lists beside a sentence's label (ATIS, SNIPS): --label_column intent asks for the sentence's class.
+    joint = Dataset.from_list([{"text": "fly to Boston", "tokens": ["fly", "to", "Boston"],
+                                "ner_tags": ["O", "O", "B-LOC"], "intent": "flight"}])  # fmt: skip
+    assert detect_task(joint)[0] is TokenClassification
+    assert detect_task(joint, "intent")[0].name == "sequence-classification"
     tokenizer = load_tokenizer(default_model_path())
     encoded = TokenClassification.from_data(flags(), numbered).features(numbered, tokenizer, 16)[0]
     assert [label for label in encoded["labels"] if label != IGNORE] == [1, 2, 0]  # 5, 6, 0 by their names

@@ -27,7 +27,7 @@ from conftest import (
 )
 from datasets import ClassLabel, Dataset, Features, Value
 from sklearn.metrics import f1_score, matthews_corrcoef
-from transformers import AutoConfig, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 import src.plots
 from src.errors import UserError, run_cli
@@ -80,11 +80,11 @@ def test_a_series_of_one_point_is_drawn_as_a_dot(tmp_path, monkeypatch):
     monkeypatch.setattr(plt, "close", lambda figure: None)  # kept open, to be read back
     records = [
         {"step": 6, "loss": 0.7, "learning_rate": 1e-5},
-        {"step": 2, "eval_loss": 0.8},
-        {"step": 6, "eval_loss": 0.6},
+        {"step": 2, "eval_loss": 0.8, "eval_samples": 9},
+        {"step": 6, "eval_loss": 0.6, "eval_samples": 9, "eval_f1/acting": 0.5},  # a count, a label's score: no panel
     ]
     src.plots.plot_training_curves(records, tmp_path / "curves.png")
-    markers = {ax.get_title(): ax.lines[0].get_marker() for ax in plt.gcf().axes}
+    markers = {ax.get_title(): ax.lines[0].get_marker() for ax in plt.gcf().axes if ax.lines}
     assert markers == {"training loss": "o", "learning rate": "o", "validation loss": "o"}
     plt.close("all")
 
@@ -99,6 +99,9 @@ def test_classification_end_to_end(tiny_model, tiny_data, tmp_path, monkeypatch)
     assert results["num_processes"] == 1 and results["total_train_batch_size"] == 8 and results["global_step"] == 16
     assert results["eval_samples"] == 37
     assert results["train_samples_per_second"] * results["train_runtime"] == pytest.approx(2 * 64), "rows trained on"
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokens = sum(len(tokenizer(r["sentence"])["input_ids"]) for r in sentiment_rows(64, seed=1))
+    assert results["train_tokens_per_second"] * results["train_runtime"] == pytest.approx(2 * tokens), "real tokens"
     # The reported metrics are those of the saved model on the validation rows.
     _, expected = expected_classification(out, sentiment_rows(37, seed=2))
     assert results["eval_accuracy"] == expected["eval_accuracy"]
@@ -482,6 +485,10 @@ def test_evaluate_refuses_a_damaged_args_json(trained_tiny_model, tmp_path):
                 ["--model_name_or_path", str(model), "--validation_file", str(trained_tiny_model.parent / "dev.csv")]
             )
         )
+    for other in ("null", "[]", '"args"'):  # valid JSON, yet no record: not read as a model from elsewhere's none
+        (model / "args.json").write_text(other)
+        with pytest.raises(UserError, match=r"args.json is damaged \(not a JSON object\)"):
+            evaluate_script.read_record(str(model))
 
 
 def test_train_loss_is_the_mean_step_loss_of_the_last_epoch(tiny_model, tiny_data, tmp_path):
