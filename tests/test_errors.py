@@ -303,6 +303,34 @@ def crash_on_rank_0_while_preparing(folder):
         (folder / f"rank-{state.process_index}").write_text(f"{type(err).__name__}: {err}")
 
 
+def prepare_on_rank_0_first(folder):
+    """Rank 0 prepares (1 s) while rank 1 waits; then rank 0 finds a mistake in the data (a UserError)."""
+    state = PartialState(cpu=True)
+    with main_process_first(state, 20):
+        if state.is_main_process:
+            time.sleep(1)
+            (folder / "prepared").write_text("")
+        else:
+            (folder / "rank-1 found it prepared").write_text(str((folder / "prepared").exists()))
+    try:
+        with main_process_first(state, 20):
+            if state.is_main_process:
+                raise UserError("label column 'y' has empty values")
+    except Exception as err:
+        (folder / f"rank-{state.process_index}").write_text(f"{type(err).__name__}: {err}")
+
+
+def test_the_other_ranks_prepare_after_rank_0_and_get_its_mistake_in_its_words(tmp_path):
+    """The other ranks start their block (reading what rank 0 downloaded and tokenised into the cache) only once rank
+    0 has finished its own; rank 0's UserError reaches them as its one line, without a type name."""
+    from accelerate import notebook_launcher
+
+    notebook_launcher(prepare_on_rank_0_first, (tmp_path,), num_processes=2, use_port=free_port())
+    assert (tmp_path / "rank-1 found it prepared").read_text() == "True"
+    assert (tmp_path / "rank-0").read_text() == "UserError: label column 'y' has empty values"
+    assert (tmp_path / "rank-1").read_text() == "UserError: rank 0: label column 'y' has empty values"
+
+
 def test_a_crash_on_rank_0_while_preparing_stops_the_waiting_rank_with_its_message(tmp_path):
     """Not only a UserError: whatever stops rank 0 while it prepares the data (a full disk, a failed download)
     reaches the rank waiting for it, at once and in its words, instead of that rank's wait timing out."""

@@ -123,6 +123,35 @@ def test_the_cpu_threads_flag_wins_over_everything(monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_processes_share_the_cores_of_their_own_machine_not_of_the_whole_run(monkeypatch):
+    """2 machines of 2 ranks each (torchrun --nnodes 2): a rank shares its machine's cores with 1 other, not 3."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(src.runtime, "physical_cores", lambda: CORES)
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert set_cpu_threads(None) == CORES // 2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")  # mpirun
+    assert set_cpu_threads(None) == CORES // 2
+
+
+@pytest.mark.parametrize("flags", [["--num_processes=2"], ["--num-processes", "2"]])
+def test_fewer_processes_than_asked_is_said_for_each_spelling_of_the_flag(monkeypatch, flags):
+    """The launcher's command line as /proc shows it: a stand-in launcher process with these flags."""
+    waiting = "import time; print('ready', flush=True); time.sleep(60)"
+    launcher = subprocess.Popen([sys.executable, "-c", waiting, "--cpu", *flags], stdout=subprocess.PIPE, text=True)
+    try:
+        assert launcher.stdout.readline() == "ready\n"  # started: /proc shows its command line
+        monkeypatch.setattr(os, "getppid", lambda: launcher.pid)
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        assert "--num_processes 2` started 1 process" in src.runtime.launched_fewer_than_asked(1)
+        assert src.runtime.launched_fewer_than_asked(2) is None
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
 @pytest.mark.parametrize(
     "files, limit",
     [

@@ -440,6 +440,17 @@ def test_auto_batch_size_refusals(tiny_model, data, tmp_path, monkeypatch):
             fit_batch_sizes(BatchSizes(8, 1, 8), SimpleNamespace(distributed_type=engine), None, None, None, TASK)
 
 
+def test_auto_batch_size_reports_an_error_other_than_out_of_memory_as_it_is(tiny_model, data, tmp_path, monkeypatch):
+    """A bug in the model or the task met by the probe is that bug, not "even 1 example runs out of memory"."""
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x32 and 64x2)")
+
+    monkeypatch.setattr(PreTrainedModel, "__call__", broken, raising=False)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        run_train(*train_args(tiny_model, *data, tmp_path / "out", "--auto_find_batch_size"))
+
+
 # --- Two real processes -----------------------------------------------------------------------------------------
 
 

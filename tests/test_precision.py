@@ -66,6 +66,17 @@ def test_an_unreadable_or_unwritable_cache_means_measuring_again(monkeypatch, tm
     assert cpu_bf16_decision()[0] and len(measured) == 2
 
 
+def test_a_gpu_without_bf16_computes_in_fp32(monkeypatch):
+    """A T4 or V100 has no bf16 (autocast would emulate it, slowly): fp32 there, bf16 on a GPU that has it; the CPU's
+    instructions are not asked."""
+    measured = cpu(monkeypatch, amx=True, avx512_bf16=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    assert src.precision.default_precision(on_cpu=False) == ("no", "the accelerator has no bf16")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    assert src.precision.default_precision(on_cpu=False) == ("bf16", "the GPU supports bf16") and not measured
+
+
 def test_the_measurement_compares_the_same_work_in_both_precisions():
     """Each side is the fastest of several runs of one forward and backward pass; the ratio is a finite positive
     number on any CPU (its value is this machine's business, and the benchmarks')."""
@@ -88,6 +99,9 @@ def test_who_decides_the_precision(monkeypatch):
     precision, why = choose_precision(None, on_cpu=True)
     assert precision == "bf16" and why.endswith("mixed_precision 'no' is its default too, so no choice: for fp32, "
                                                  "pass --mixed_precision no to the script")  # fmt: skip
+    monkeypatch.setattr(src.precision, "default_precision", lambda on_cpu: ("no", "slower here"))
+    assert choose_precision(None, on_cpu=True) == ("no", "slower here"), "fp32 already: no hint to pass 'no'"
+    monkeypatch.setattr(src.precision, "default_precision", lambda on_cpu: ("bf16", "faster here"))
     with pytest.raises(UserError, match="saved mixed_precision is 'fp8', not one of no, fp16, bf16.*--mixed_precision"):
         choose_precision(None, on_cpu=True, saved="fp8")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "BF16")  # set by hand: accelerate fails with a traceback
