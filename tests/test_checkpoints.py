@@ -348,3 +348,48 @@ def test_a_second_run_into_a_folder_in_use_is_refused_until_the_first_ends(tiny_
     again = subprocess.run([sys.executable, "-c", lock], cwd=REPO, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-500:]
     assert failed.traceback, "the failed run's frames were still alive"
+
+
+def test_a_run_over_an_earlier_one_keeps_the_folder_locked(tiny_model, data, tmp_path, monkeypatch):
+    """--overwrite_output_dir removes the earlier run's files, but not the lock this run holds: deleted, it would let a
+    second run create a lock file of its own there and write into the folder alongside this one."""
+    from src.checkpoint import _in_use_by
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "args.json").write_text("{}")  # an earlier run's folder
+    holders, train_loop = [], train.train_loop
+
+    def recording_loop(run):
+        holders.append(_in_use_by(out))
+        return train_loop(run)
+
+    monkeypatch.setattr(train, "train_loop", recording_loop)
+    run_main(*train_args(tiny_model, *data, out, "--max_train_steps", "1", "--overwrite_output_dir"))
+    assert holders[0] and holders[0].startswith("train.py, pid"), "the folder is still held while the run trains"
+
+
+def test_the_folder_is_free_once_the_run_ends_though_its_forked_workers_live_on(tmp_path):
+    """Collating workers forked while the run held the folder share its open lock file: closing it in the run would
+    not let go of the lock while a worker lives on (a notebook's kernel keeping a failed run's DataLoader)."""
+    import argparse
+    import multiprocessing
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from src.checkpoint import holding_output_dir
+
+    accelerator = argparse.Namespace(num_processes=1, is_main_process=True, is_local_main_process=True)
+    out = tmp_path / "out"
+    with holding_output_dir(accelerator, out):
+        worker = multiprocessing.get_context("fork").Process(target=__import__("time").sleep, args=(60,))
+        worker.start()
+    try:
+        probe = f"from src.checkpoint import _in_use_by; print(_in_use_by({str(out)!r}))"
+        holder = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True)
+        assert holder.stdout == "None\n", holder.stdout + holder.stderr[-500:]
+    finally:
+        worker.kill()
+        worker.join()

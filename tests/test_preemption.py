@@ -273,6 +273,8 @@ def test_a_collating_worker_outlives_sigterms_from_others_than_its_rank():
         subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)
         time.sleep(0.01)  # delivered one by one: a pending signal would absorb the next
     assert [batch.tolist() for batch in batches] == [[2, 3], [4, 5], [6, 7]]
+    # The rank blocked SIGTERM only while forking: its own handler (the checkpoint) must still receive the signal.
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
 
 
 @pytest.mark.slow
@@ -566,3 +568,43 @@ def test_the_slurm_script_checkpoints_and_requeues_itself_before_the_time_limit(
     env["OUTPUT_DIR"] = str(tmp_path / "new")
     fresh = attempt("finish")
     assert fresh.returncode == 0 and "--resume_from_checkpoint" not in lines("srun")[-1]
+
+
+def test_the_first_stop_signal_is_the_one_kept(monkeypatch):
+    """SLURM's USR1 warning, then the SIGTERM of the time limit: the run stops for the first, and later signals change
+    neither why (the log) nor its exit status. A rank whose launcher is gone stops as if sent SIGHUP, and says why."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
+    previous = {signum: signal.signal(signum, lambda *_: None) for signum in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        with train.StopSignals() as stop_signals:
+            assert stop_signals.requested() == 0
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop_signals.requested() == signal.SIGUSR1
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # under a launcher, which then exits: the rank is reparented
+    stop_signals = train.StopSignals()
+    assert stop_signals.requested() == 0, "its launcher is still there"
+    monkeypatch.setattr(os, "getppid", lambda: stop_signals.launcher + 1)
+    assert stop_signals.requested() == signal.SIGHUP and stop_signals.describe(signal.SIGHUP) == "its launcher exited"
+
+
+def test_a_signal_in_the_last_step_stops_with_a_checkpoint_not_the_final_save(tiny_model, data, tmp_path, monkeypatch):
+    """The job's grace time may not hold the final evaluation and save: a signal in the run's last step saves a
+    checkpoint and stops, as in any other step (its resume then finishes the run)."""
+    train_step = train.train_step
+
+    def signalled_step(run, batches):
+        train_step(run, batches)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    monkeypatch.setattr(train, "train_step", signalled_step)
+    folder = tmp_path / "run"
+    args = run_args(tiny_model, data, folder, 1, "--max_train_steps", "1", "--mixed_precision", "no")
+    with pytest.raises(SystemExit) as stopped:
+        train.main(train.parse_train_args(args))
+    assert stopped.value.code == 128 + signal.SIGUSR1
+    assert checkpoints(folder) == ["checkpoint-1"] and not (folder / "all_results.json").exists()
