@@ -405,6 +405,12 @@ def test_auto_batch_size_backs_off_keeps_the_total_and_its_size_on_resume(
                           str(resumed / "checkpoint-2")))  # fmt: skip
     c = weights(resumed)
     assert all(torch.equal(a[k], c[k]) for k in a)
+    # Another total batch than the run's is refused, not replaced by the sizes the run found for its own.
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "auto" / "checkpoint-2", other / "checkpoint-2")
+    with pytest.raises(UserError, match=r"other settings .*--gradient_accumulation_steps 4 -> 2"):
+        run_train(*train_args(tiny_model, *data, other, *common, "--auto_find_batch_size", "--resume_from_checkpoint",
+                              str(other / "checkpoint-2"), "--gradient_accumulation_steps", "2"))  # fmt: skip
 
 
 def test_auto_batch_size_multiplies_the_accumulation_asked_for(tiny_model, data, tmp_path, monkeypatch, caplog):
