@@ -292,15 +292,19 @@ def prepare_slowly_then_train(folder, data_timeout):
     (folder / f"rank-{state.process_index}").write_text("done")
 
 
-def crash_on_rank_0_while_preparing(folder):
-    """Rank 0 fails inside main_process_first with a crash (not a UserError); each rank writes what it raised."""
-    state = PartialState(cpu=True)
+def fail_on_rank_0_while_preparing(state, folder, error):
+    """Rank 0 raises `error` inside main_process_first; each rank writes what it raised."""
     try:
         with main_process_first(state, 20):
             if state.is_main_process:
-                raise OSError("No space left on device")
+                raise error
     except Exception as err:
         (folder / f"rank-{state.process_index}").write_text(f"{type(err).__name__}: {err}")
+
+
+def crash_on_rank_0_while_preparing(folder):
+    """A crash, not a UserError."""
+    fail_on_rank_0_while_preparing(PartialState(cpu=True), folder, OSError("No space left on device"))
 
 
 def prepare_on_rank_0_first(folder):
@@ -312,12 +316,7 @@ def prepare_on_rank_0_first(folder):
             (folder / "prepared").write_text("")
         else:
             (folder / "rank-1 found it prepared").write_text(str((folder / "prepared").exists()))
-    try:
-        with main_process_first(state, 20):
-            if state.is_main_process:
-                raise UserError("label column 'y' has empty values")
-    except Exception as err:
-        (folder / f"rank-{state.process_index}").write_text(f"{type(err).__name__}: {err}")
+    fail_on_rank_0_while_preparing(state, folder, UserError("label column 'y' has empty values"))
 
 
 def test_the_other_ranks_prepare_after_rank_0_and_get_its_mistake_in_its_words(tmp_path):
