@@ -161,8 +161,8 @@ def evaluate_model(args) -> dict:
     label_column = args.label_column or record.get("label_column")
     if "eval_loss" not in metrics and prompts is None and label_column:
         fix = (
-            f"its column {label_column!r} holds none (GLUE's test splits mark every row -1)"
-            if label_column in data.column_names  # an unlabelled split: nothing to fix
+            f"its column {label_column!r} holds none: an unlabelled split"
+            if label_column in data.column_names  # as GLUE's test splits (every label -1): nothing to fix
             else f"its columns: {', '.join(data.column_names)}; name the label column with --label_column"
         )
         logger.warning(f"the data has no labels for {task.describe()} ({fix}): predictions only, no metrics")

@@ -451,6 +451,21 @@ def test_an_encoder_is_switched_to_a_decoder_and_never_sees_the_tokens_it_predic
     assert torch.equal(first, second)
 
 
+def test_a_lora_base_without_an_lm_head_is_refused_on_every_rank(tiny_model, tmp_path):
+    """Real ranks (each loads the weights and finds the head missing): every rank says why and none waits for the
+    others in a collective; nothing is saved."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "the plot was", "completion": "good"}) + "\n" for _ in range(8)))
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", str(tiny_model), "--train_file", str(data), "--output_dir", str(out),
+            "--task", "causal-lm", "--use_peft", "--max_length", "16"]  # fmt: skip
+    result = launch("train.py", argv, timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: --use_peft trains adapters on pretrained weights" in result.stderr
+    assert not list(out.glob("**/*.safetensors"))
+
+
 def test_a_lora_adapter_on_an_encoder_keeps_it_a_decoder_in_evaluate_py(tiny_model, tmp_path):
     """The adapter folder of an encoder switched to a decoder holds the switched config: on the base's own config,
     evaluate.py would let each position see the tokens it predicts, and score another model than the run did.

@@ -454,7 +454,7 @@ def test_hub_style_dataset_and_its_splits(tiny_model, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         metrics, table = evaluate_split("test")  # unlabelled: predictions only
     assert metrics == {"eval_samples": 9} and table[0] == ["index", "prediction"]
-    assert "its column 'label' holds none (GLUE's test splits" in caplog.text and "--label_column" not in caplog.text
+    assert "its column 'label' holds none: an unlabelled split" in caplog.text and "--label_column" not in caplog.text
     assert [row[1] for row in table[1:]] == expected_classification(out, splits["test"])[0]
 
     with pytest.raises(UserError, match="marks some rows as unlabelled"):
