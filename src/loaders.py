@@ -14,7 +14,7 @@ from transformers import DataCollatorForTokenClassification, DataCollatorWithPad
 
 from src.errors import UserError
 from src.runtime import local_world_size, usable_cpu_count
-from src.signals import take_sigterm_from_the_rank_only, workers_context
+from src.signals import end_with_the_rank, workers_context
 
 INDEX_COLUMN = "example_index"  # position in the evaluated data, so results can be put back in order
 LENGTH_COLUMN = "length"  # tokens per example, for batching by length without reading every token id
@@ -144,7 +144,7 @@ def _loader(dataset: Dataset, collator, batch_size: int, sampler, seed: int, num
         generator=torch.Generator().manual_seed(seed),
         pin_memory=torch.cuda.is_available(),  # lets the non-blocking copy to the GPU really overlap
         num_workers=num_workers, persistent_workers=keep_workers and num_workers > 0,
-        worker_init_fn=partial(take_sigterm_from_the_rank_only, os.getpid()) if num_workers else None,
+        worker_init_fn=partial(end_with_the_rank, os.getpid()) if num_workers else None,
         multiprocessing_context=workers_context() if num_workers else None,
     )  # fmt: skip
 

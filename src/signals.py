@@ -8,6 +8,7 @@ or a container's stop reaches only the launcher.
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 
 import torch
@@ -108,47 +109,62 @@ class StopVote:
 
 
 def workers_context():
-    """The multiprocessing context of the collating workers (src/loaders.py): under fork (Linux's default before
-    Python 3.14), workers born with SIGTERM blocked, else None (the default). A worker forked from a rank that has
-    run torch's thread pool gets threads of its own before its worker_init_fn runs; blocking SIGTERM there left them
-    to catch the scheduler's, of which the worker died (4 tries in 4 with --dataloader_num_workers 2). Blocked in
-    the rank's thread across the fork, the signal is blocked in every thread the worker will have; the rank's mask
-    comes back at once (a SIGTERM sent meanwhile is delivered then). Spawned workers start with one thread."""
+    """The multiprocessing context of the collating workers (src/loaders.py): a fork server where the platform would
+    fork (Linux before Python 3.14), else the platform's own (spawn on macOS and Windows, forkserver from 3.14).
+
+    Not fork: a rank has threads (gloo's, torch's, the training loader's), and a child forked while another thread
+    holds the interpreter's thread-state lock waits for it forever (CPython gh-112275, in 3.11.7 here, seen with gdb;
+    Python 3.12 warns of any fork with threads). 2-rank runs evaluating every step, one worker each, hung 3 times in
+    190, the other rank waiting in its next collective. The fork server is one process per rank, started by fork and
+    exec (one thread), that imports what the workers need once and forks each of them. It ignores SIGTERM, which a
+    scheduler sends to every process of a job: torch's workers end when their parent does (end_with_the_rank ends
+    them with their rank instead), and the server when its rank and workers have."""
     # The method set, else the platform's default (the first listed), without setting it as get_start_method() would.
     method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
-    if method != "fork":
+    if method not in ("fork", "forkserver"):
         return None
-    from multiprocessing.context import ForkContext, ForkProcess
+    from multiprocessing import forkserver
 
-    class WorkerProcess(ForkProcess):
-        def start(self):
-            previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-            try:
-                super().start()
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    context = multiprocessing.get_context("forkserver")
+    # The project's modules imported here, and with them torch, datasets and transformers. A worker also runs the main
+    # script again (train.py: multiprocessing's rule for __main__), which then costs nothing. ("__main__" in this list
+    # would do nothing: Python 3.11 does not pass the server its path.)
+    project = __name__.split(".")[0]
+    context.set_forkserver_preload(sorted(name for name in sys.modules if name.split(".")[0] == project))
+    # Started with SIGTERM ignored (exec unblocks a blocked signal, an ignored one stays ignored); blocked meanwhile
+    # in the rank, where a SIGTERM then waits for the rank's own handler.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()  # now, while the rank prepares
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    return context
 
-    class WorkerContext(ForkContext):
-        Process = WorkerProcess
 
-    return WorkerContext()
-
-
-def take_sigterm_from_the_rank_only(rank: int, worker_id: int):
-    """A collating worker's `worker_init_fn` (src/loaders.py), for process `rank`. SLURM and systemd send SIGTERM to
-    every process of a job, collating workers too. torch's workers die of a SIGTERM that their rank did not send,
-    and the rank then fails where its own handler would have saved a checkpoint. So the signal is blocked (under
-    fork, from the start and in every thread: workers_context), and a thread waits for it and ends the worker when
-    the rank sent it (multiprocessing stops a rank's workers so as it exits, and waits for them). The rank's process
-    id is given, not read as the parent's: under forkserver (Python 3.14's default) the parent is the server.
-    Without sigwaitinfo (macOS), torch's handling stays."""
-    if not hasattr(signal, "sigwaitinfo"):
+def end_with_the_rank(rank: int, worker_id: int):
+    """A collating worker's `worker_init_fn` (src/loaders.py), for process `rank`: the worker ends when its rank sends
+    SIGTERM or is gone, and outlives anyone else's SIGTERM. SLURM and systemd send SIGTERM to every process of a job;
+    a worker that died of it would fail its rank where the rank's own handler saves a checkpoint. A rank killed
+    outright (the OOM killer) leaves its workers to the fork server, which they keep alive and torch's workers watch
+    (their parent): they end here instead. Without sigtimedwait (macOS), torch's handling stays."""
+    if not hasattr(signal, "sigtimedwait"):
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # for this thread and the threads it starts
 
-    def end_on_the_ranks_sigterm():
-        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank:
-            pass  # the scheduler's: the rank saves a checkpoint, then stops its workers
-        os._exit(0)
+    def wait_for_the_rank():
+        while True:
+            sent = signal.sigtimedwait({signal.SIGTERM}, 1.0)
+            if sent is not None and sent.si_pid == rank or not _alive(rank):
+                os._exit(0)  # multiprocessing stops a rank's workers so as it exits, and waits for them
 
-    threading.Thread(target=end_on_the_ranks_sigterm, daemon=True).start()
+    threading.Thread(target=wait_for_the_rank, daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:  # none, or another user's that took the number
+        return False
+    return True

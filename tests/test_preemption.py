@@ -69,7 +69,8 @@ def start(launcher: str, args: list[str], env: dict | None = None) -> subprocess
 
 
 def process_tree(process: subprocess.Popen, ranks: int) -> list[psutil.Process]:
-    """The launcher and its descendants, once all `ranks` training processes have started."""
+    """The launcher, what its ranks started (collating workers and the fork server that forks them, once the first
+    epoch has started them), then the ranks, once all `ranks` training processes have started."""
     launcher = psutil.Process(process.pid)
     deadline = time.monotonic() + 120
 
@@ -80,10 +81,10 @@ def process_tree(process: subprocess.Popen, ranks: int) -> list[psutil.Process]:
             return False
 
     while True:
-        children = launcher.children(recursive=True)
-        workers = [p for p in children if runs_train_py(p)]
-        if len(workers) >= ranks or (ranks == 1 and runs_train_py(launcher)):
-            return [launcher, *workers]
+        trainers = [p for p in launcher.children(recursive=True) if runs_train_py(p)]
+        if len(trainers) >= ranks or (ranks == 1 and runs_train_py(launcher)):
+            theirs = [p for rank in trainers or [launcher] for p in rank.children(recursive=True)]
+            return [launcher, *theirs, *trainers]
         assert process.poll() is None and time.monotonic() < deadline, "the ranks never started"
         time.sleep(0.05)
 
@@ -104,7 +105,7 @@ def wait_until_gone(tree: list[psutil.Process], timeout: float = 90):
 
 
 # A hang detector, not a speed check: every process is gone 0.2-2 s after the signal (docs/checkpoints.md; collating
-# workers up to 5 s after their rank), and 60 s only catches a run asked to stop that never exits (a rank left in a
+# workers up to 1 s after their rank), and 60 s only catches a run asked to stop that never exits (a rank left in a
 # collective, a launcher waiting on a rank for ever).
 HANG_LIMIT = 60
 
@@ -255,26 +256,62 @@ def test_a_signal_saves_the_current_step_and_the_run_resumes_exactly(
 
 
 def test_a_collating_worker_outlives_sigterms_from_others_than_its_rank():
-    """A SIGTERM sent to a worker goes to whichever of its threads does not block it. A worker forked from a process
-    that has run torch's thread pool has threads before its worker_init_fn runs: unless they are born with SIGTERM
-    blocked, a scheduler's SIGTERM is caught there and kills the worker (and its rank fails without its checkpoint).
-    Sent 20 times from another process (`kill`), none may reach the worker's collating."""
+    """A scheduler's SIGTERM reaches every process of the job, collating workers and the fork server they come from
+    too. A worker killed, or ended because its server died (torch's workers stop when their parent does), would fail
+    its rank without the checkpoint that the rank's own handler saves. Sent 20 times to each of the rank's processes
+    from another process (`kill`), none may reach the worker's collating, however many threads the rank has run. The
+    worker is forked by the server, never by the rank: a child forked from a process with threads can hang."""
     from datasets import Dataset
+    from torch.utils.data import default_collate
 
     from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, build_eval_dataloader
 
     torch.set_num_threads(2)  # the autouse fixture gives back the threads of before the test
     torch.randn(512, 512) @ torch.randn(512, 512)  # the pool's threads, in this process
-    rows = Dataset.from_dict({"x": list(range(8)), LENGTH_COLUMN: [1] * 8, INDEX_COLUMN: list(range(8))})
-    batches = iter(build_eval_dataloader(rows, lambda batch: torch.tensor([row["x"] for row in batch]), 2, 1))
-    assert next(batches).tolist() == [0, 1]
-    (worker,) = psutil.Process().children()
+    rows = Dataset.from_dict({"x": list(range(40)), LENGTH_COLUMN: [1] * 40, INDEX_COLUMN: list(range(40))})
+    batches = (batch["x"].tolist() for batch in build_eval_dataloader(rows, default_collate, 2, 1))
+    assert next(batches) == [0, 1]
+    started = psutil.Process().children(recursive=True)  # the fork server, its worker, their resource tracker
+    assert [p for p in started if p.ppid() != os.getpid()], "a worker forked from this process, which has threads"
     for _ in range(20):
-        subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)
+        subprocess.run(["kill", "-TERM", *(str(process.pid) for process in started)], check=True)
         time.sleep(0.01)  # delivered one by one: a pending signal would absorb the next
-    assert [batch.tolist() for batch in batches] == [[2, 3], [4, 5], [6, 7]]
-    # The rank blocked SIGTERM only while forking: its own handler (the checkpoint) must still receive the signal.
+    assert list(batches) == [[i, i + 1] for i in range(2, 40, 2)]
+    # The rank blocked SIGTERM only while starting the server: its own handler (the checkpoint) must still receive it.
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
+# A rank that collates in a worker, then waits to be killed.
+COLLATING_RANK = """
+import time
+from datasets import Dataset
+from torch.utils.data import default_collate
+from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, build_eval_dataloader
+rows = Dataset.from_dict({"x": list(range(40)), LENGTH_COLUMN: [1] * 40, INDEX_COLUMN: list(range(40))})
+batches = iter(build_eval_dataloader(rows, default_collate, 2, 1))
+print(next(batches)["x"].tolist(), flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_rank_killed_outright_leaves_no_collating_worker_behind():
+    """The OOM killer's SIGKILL leaves a rank no time to stop its workers, and they are not its children but its fork
+    server's, which they keep alive (torch's workers watch their parent): they must see for themselves, and the
+    server ends with them."""
+    rank = subprocess.Popen([sys.executable, "-c", COLLATING_RANK], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline() == "[0, 1]\n"
+        started = psutil.Process(rank.pid).children(recursive=True)  # the fork server, its worker, their tracker
+    finally:
+        rank.kill()
+        rank.wait()  # reaped, as its launcher does
+        rank.stdout.close()  # not read to its end: the server and the worker hold it too
+    assert len(started) >= 2
+    _, alive = psutil.wait_procs(started, timeout=15)
+    left = [" ".join(process.cmdline())[:80] for process in alive]
+    for process in alive:
+        process.kill()  # not into the next tests
+    assert not left, left
 
 
 @pytest.mark.slow
