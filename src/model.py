@@ -13,7 +13,7 @@ from accelerate import PartialState, init_empty_weights
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, parse_flag_from_env
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer
 
 from src.errors import UserError
 
@@ -287,6 +287,8 @@ def check_tied_as_configured(model, name_or_path):
     """Under FSDP with fsdp_cpu_ram_efficient_loading (`rank_0_reads_for_every_rank`), refuse weights that hold an LM
     head apart from the input embeddings that the config ties it to: transformers then keeps the two apart, but
     prepare() ties them again on every rank, and rank 0's broadcast would write one over the other without a word."""
+    from transformers import PreTrainedModel  # imported with the model; 1.6 s for a fork server that needs none
+
     if not (rank_0_reads_for_every_rank() and isinstance(model, PreTrainedModel)):
         return
     kept_apart = set(model.get_expanded_tied_weights_keys(all_submodels=True)) - set(model.all_tied_weights_keys)
@@ -341,6 +343,8 @@ def load_trained_model(
 
 def prepare_for_training(model, args, accelerator, task):
     """Gradient checkpointing and LoRA adapters, if asked; both need a Transformers model, as --push_to_hub does."""
+    from transformers import PreTrainedModel  # imported with the model; 1.6 s for a fork server that needs none
+
     wanted = [flag for flag in ("use_peft", "gradient_checkpointing", "push_to_hub") if getattr(args, flag)]
     if wanted and not isinstance(model, PreTrainedModel):
         raise UserError(

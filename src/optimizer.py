@@ -5,7 +5,6 @@ import math
 
 import torch
 from accelerate.utils import DistributedType
-from transformers import get_scheduler
 
 from src.errors import UserError
 
@@ -53,6 +52,8 @@ def count_parameters(model) -> tuple[int, int]:
 def build_scheduler(optimizer, args, max_train_steps: int):
     """--lr_scheduler_type (with --lr_scheduler_kwargs) over the run's optimizer steps, after --num_warmup_steps (or
     --warmup_ratio of them)."""
+    from transformers import get_scheduler  # its module imports peft: 1.7 s for a fork server that needs neither
+
     warmup_steps = args.num_warmup_steps if args.num_warmup_steps is not None else args.warmup_ratio * max_train_steps
     if warmup_steps >= max_train_steps > 0:  # the learning rate would never reach --learning_rate
         raise UserError(f"--num_warmup_steps {args.num_warmup_steps} is not less than the run's {max_train_steps} "

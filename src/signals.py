@@ -131,8 +131,8 @@ def workers_context():
     # would do nothing: Python 3.11 does not pass the server its path.)
     project = __name__.split(".")[0]
     context.set_forkserver_preload(sorted(name for name in sys.modules if name.split(".")[0] == project))
-    # Started with SIGTERM ignored (exec unblocks a blocked signal, an ignored one stays ignored); blocked meanwhile
-    # in the rank, where a SIGTERM then waits for the rank's own handler.
+    # Started with SIGTERM ignored, which exec keeps (Python's fork and exec unblocks every signal in the child);
+    # blocked meanwhile in the rank, where a SIGTERM then waits for the rank's own handler.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
