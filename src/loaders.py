@@ -2,6 +2,7 @@
 same way for training, evaluation and the batch-size probe."""
 
 import os
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -137,6 +138,8 @@ def _loader(dataset: Dataset, collator, batch_size: int, sampler, seed: int, num
     """`num_workers` collating processes (--dataloader_num_workers), kept across epochs if `keep_workers` (training;
     an evaluation starts its own, as Trainer's do, so that no idle ones stay beside each validation split). The
     sampler stays in this process, so batches, their order and an exact resume do not depend on the workers."""
+    if num_workers:
+        _check_picklable(collator)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
         # The loader's own generator: starting an epoch must not draw from the global RNG that dropout uses,
@@ -147,6 +150,19 @@ def _loader(dataset: Dataset, collator, batch_size: int, sampler, seed: int, num
         worker_init_fn=partial(end_with_the_rank, os.getpid()) if num_workers else None,
         multiprocessing_context=workers_context() if num_workers else None,
     )  # fmt: skip
+
+
+def _check_picklable(collator):
+    """Workers started by a fork server or spawn (src/signals.py) receive the collator pickled: a closure fails there,
+    as the workers start, in a traceback from torch. Said here, before any training, in one line."""
+    try:
+        pickle.dumps(collator)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        name = getattr(collator, "__qualname__", type(collator).__qualname__)
+        raise UserError(f"the task's collator ({name}) cannot be sent to the collating workers "
+                        f"(--dataloader_num_workers), which receive it pickled: {err}. Make it a function or class "
+                        "at module level (as PaddingColumnToo in src/loaders.py), or pass --dataloader_num_workers 0"
+                        ) from None  # fmt: skip
 
 
 def build_train_dataloader(dataset: Dataset, collator, batch_size: int, num_processes: int, seed: int,

@@ -820,8 +820,24 @@ def test_notebook_launcher_runs_two_cpu_processes(tmp_path, tiny_model):
     )
 
 
+def test_a_collator_that_cannot_be_pickled_is_refused_before_training_with_workers():
+    """A task of one's own with a closure for a collator: one line that names it and says what to do, not torch's
+    traceback as the workers start. Without workers, nothing is pickled and it runs."""
+    from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, build_eval_dataloader
+
+    rows = Dataset.from_dict({"x": [1, 2], LENGTH_COLUMN: [1, 1], INDEX_COLUMN: [0, 1]})
+
+    def collate(batch):
+        return torch.tensor([row["x"] for row in batch])
+
+    with pytest.raises(UserError, match=r"collator \(.*collate\) cannot be sent .* --dataloader_num_workers 0$"):
+        build_eval_dataloader(rows, collate, 2, num_workers=1)
+    assert next(iter(build_eval_dataloader(rows, collate, 2))).tolist() == [1, 2]
+
+
 def test_every_tasks_collator_pickles_for_dataloader_workers_started_by_spawn():
-    """--dataloader_num_workers on macOS and Windows (and Python 3.14's forkserver) sends the collator pickled."""
+    """--dataloader_num_workers sends the collator pickled to the workers (started by a fork server, or by spawn on
+    macOS and Windows)."""
     import pickle
 
     from src.model import default_model_path, load_tokenizer

@@ -157,8 +157,9 @@ class Task:
         """A function from a list of feature rows to a batch of tensors, padded to `pad_to_length` (--pad_to_max_length)
         if given, else to the batch's longest row (rounded up to `pad_to_multiple_of`). Rows being evaluated carry
         their number, `example_index`, which the batch must keep as a tensor (evaluation puts results back in order
-        with it). It may run in worker processes (--dataloader_num_workers, on by default on GPUs): random choices
-        (masking, say) belong in `step`, whose random state a checkpoint keeps, not here."""
+        with it). It may run in worker processes (--dataloader_num_workers, on by default on GPUs), which receive it
+        pickled (a function or class at module level, not a closure): random choices (masking, say) belong in `step`,
+        whose random state a checkpoint keeps, not here."""
         from src.loaders import padding_collator
 
         return padding_collator(tokenizer, pad_to_multiple_of, pad_to_length)
