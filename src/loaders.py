@@ -3,6 +3,7 @@ same way for training, evaluation and the batch-size probe."""
 
 import os
 import pickle
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -153,16 +154,21 @@ def _loader(dataset: Dataset, collator, batch_size: int, sampler, seed: int, num
 
 
 def _check_picklable(collator):
-    """Workers started by a fork server or spawn (src/signals.py) receive the collator pickled: a closure fails there,
-    as the workers start, in a traceback from torch. Said here, before any training, in one line."""
+    """Workers started by a fork server or spawn (src/signals.py) receive the collator pickled, and import what it
+    names: a closure, or a function of a notebook's or `python -c`'s (a __main__ without a file), fails there as the
+    workers start, in a traceback from torch. Said here, before any training, in one line."""
     try:
-        pickle.dumps(collator)
+        payload, why = pickle.dumps(collator), None
     except (pickle.PicklingError, AttributeError, TypeError) as err:
+        payload, why = b"", str(err)
+    if b"__main__" in payload and not hasattr(sys.modules["__main__"], "__file__"):
+        why = "it is defined in a notebook or `python -c`, which the workers cannot import"
+    if why:
         name = getattr(collator, "__qualname__", type(collator).__qualname__)
         raise UserError(f"the task's collator ({name}) cannot be sent to the collating workers "
-                        f"(--dataloader_num_workers), which receive it pickled: {err}. Make it a function or class "
-                        "at module level (as PaddingColumnToo in src/loaders.py), or pass --dataloader_num_workers 0"
-                        ) from None  # fmt: skip
+                        f"(--dataloader_num_workers), which receive it pickled: {why}. Make it a function or class "
+                        "at module level of a file (as PaddingColumnToo in src/loaders.py), or pass "
+                        "--dataloader_num_workers 0")  # fmt: skip
 
 
 def build_train_dataloader(dataset: Dataset, collator, batch_size: int, num_processes: int, seed: int,

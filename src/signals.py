@@ -7,6 +7,7 @@ or a container's stop reaches only the launcher.
 
 import multiprocessing
 import os
+import select
 import signal
 import sys
 import threading
@@ -116,14 +117,16 @@ def workers_context():
     holds the interpreter's thread-state lock waits for it forever (CPython gh-112275, in 3.11.7 here, seen with gdb;
     Python 3.12 warns of any fork with threads). 2-rank runs evaluating every step, one worker each, hung 3 times in
     190, the other rank waiting in its next collective. The fork server is one process per rank, started by fork and
-    exec (one thread), that imports what the workers need once and forks each of them. It ignores SIGTERM, which a
-    scheduler sends to every process of a job: torch's workers end when their parent does (end_with_the_rank ends
-    them with their rank instead), and the server when its rank and workers have."""
+    exec, that imports what the workers need once and forks each of them. It blocks SIGTERM, which a scheduler sends
+    to every process of a job: torch's workers end when their parent does (end_with_the_rank ends them with their
+    rank instead), and the server when its rank and workers have. Workers receive the collator pickled, and run the
+    main script again (without its `if __name__ == "__main__":` part), as under spawn."""
     # The method set, else the platform's default (the first listed), without setting it as get_start_method() would.
+    # A method set to fork is replaced too: the workers are the loaders' own.
     method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
     if method not in ("fork", "forkserver"):
         return None
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     context = multiprocessing.get_context("forkserver")
     # The project's modules imported here, and with them torch, datasets and transformers. A worker also runs the main
@@ -131,40 +134,44 @@ def workers_context():
     # would do nothing: Python 3.11 does not pass the server its path.)
     project = __name__.split(".")[0]
     context.set_forkserver_preload(sorted(name for name in sys.modules if name.split(".")[0] == project))
-    # Started with SIGTERM ignored, which exec keeps (Python's fork and exec unblocks every signal in the child);
-    # blocked meanwhile in the rank, where a SIGTERM then waits for the rank's own handler.
+    # Started with SIGTERM blocked, which it and the workers it forks inherit: blocked in this thread only, so a
+    # SIGTERM meanwhile still reaches the rank's handler. (The resource tracker first: starting it unblocks SIGTERM.)
+    resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         forkserver.ensure_running()  # now, while the rank prepares
     finally:
-        signal.signal(signal.SIGTERM, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return context
 
 
 def end_with_the_rank(rank: int, worker_id: int):
     """A collating worker's `worker_init_fn` (src/loaders.py), for process `rank`: the worker ends when its rank sends
-    SIGTERM or is gone, and outlives anyone else's SIGTERM. SLURM and systemd send SIGTERM to every process of a job;
-    a worker that died of it would fail its rank where the rank's own handler saves a checkpoint. A rank killed
+    SIGTERM or has ended, and outlives anyone else's SIGTERM. SLURM and systemd send SIGTERM to every process of a
+    job; a worker that died of it would fail its rank where the rank's own handler saves a checkpoint. A rank killed
     outright (the OOM killer) leaves its workers to the fork server, which they keep alive and torch's workers watch
     (their parent): they end here instead. Without sigtimedwait (macOS), torch's handling stays."""
     if not hasattr(signal, "sigtimedwait"):
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # for this thread and the threads it starts
+    try:
+        ended = os.pidfd_open(rank)  # readable once the rank has ended, reaped by its launcher or not (Linux 5.3)
+    except (AttributeError, OSError):
+        ended = None
+
+    def rank_ended() -> bool:
+        if ended is not None:
+            return bool(select.select([ended], [], [], 0)[0])
+        try:
+            os.kill(rank, 0)
+        except OSError:
+            return True
+        return False
 
     def wait_for_the_rank():
         while True:
             sent = signal.sigtimedwait({signal.SIGTERM}, 1.0)
-            if sent is not None and sent.si_pid == rank or not _alive(rank):
+            if sent is not None and sent.si_pid == rank or rank_ended():
                 os._exit(0)  # multiprocessing stops a rank's workers so as it exits, and waits for them
 
     threading.Thread(target=wait_for_the_rank, daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:  # none, or another user's that took the number
-        return False
-    return True

@@ -296,22 +296,22 @@ time.sleep(300)
 
 def test_a_rank_killed_outright_leaves_no_collating_worker_behind():
     """The OOM killer's SIGKILL leaves a rank no time to stop its workers, and they are not its children but its fork
-    server's, which they keep alive (torch's workers watch their parent): they must see for themselves, and the
-    server ends with them."""
+    server's, which they keep alive (torch's workers watch their parent): they must see for themselves, even before
+    the launcher reaps the rank, and the server ends with them."""
     rank = subprocess.Popen([sys.executable, "-c", COLLATING_RANK], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert rank.stdout.readline() == "[0, 1]\n"
         started = psutil.Process(rank.pid).children(recursive=True)  # the fork server, its worker, their tracker
+        rank.kill()  # not reaped yet: a zombie until the end of the test
+        _, alive = psutil.wait_procs(started, timeout=15)
     finally:
         rank.kill()
-        rank.wait()  # reaped, as its launcher does
+        rank.wait()
         rank.stdout.close()  # not read to its end: the server and the worker hold it too
-    assert len(started) >= 2
-    _, alive = psutil.wait_procs(started, timeout=15)
     left = [" ".join(process.cmdline())[:80] for process in alive]
     for process in alive:
         process.kill()  # not into the next tests
-    assert not left, left
+    assert len(started) >= 2 and not left, left
 
 
 @pytest.mark.slow

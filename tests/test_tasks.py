@@ -833,6 +833,12 @@ def test_a_collator_that_cannot_be_pickled_is_refused_before_training_with_worke
     with pytest.raises(UserError, match=r"collator \(.*collate\) cannot be sent .* --dataloader_num_workers 0$"):
         build_eval_dataloader(rows, collate, 2, num_workers=1)
     assert next(iter(build_eval_dataloader(rows, collate, 2))).tolist() == [1, 2]
+    # One at module level of a notebook or `python -c` pickles, but the workers cannot import it.
+    script = (f"import datasets, torch\nfrom src.loaders import build_eval_dataloader\nrows = {rows.to_dict()}\n"
+              "def collate(batch):\n    return torch.tensor([row['x'] for row in batch])\n"
+              "build_eval_dataloader(datasets.Dataset.from_dict(rows), collate, 2, num_workers=1)")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
+    assert "defined in a notebook or `python -c`, which the workers cannot import" in result.stderr, result.stderr
 
 
 def test_every_tasks_collator_pickles_for_dataloader_workers_started_by_spawn():
