@@ -88,7 +88,7 @@ def holding_output_dir(accelerator, output_dir: Path, save_on_each_node: bool = 
         yield
     finally:
         if lock is not None:
-            fcntl.flock(lock, fcntl.LOCK_UN)  # forked DataLoader workers share the open file: closing would not do
+            fcntl.flock(lock, fcntl.LOCK_UN)  # processes forked from here (datasets' map) share it: closing won't do
             lock.close()
 
 

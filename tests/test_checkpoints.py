@@ -340,7 +340,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_until_the_first_ends(tiny_
                 run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", *resume))
         shutil.rmtree(out / "checkpoint-2")
     # A run that ends, also with an error, lets go of the folder in a process that goes on (a notebook's kernel, whose
-    # last traceback keeps the run's objects alive, its DataLoader's forked workers too): another process may resume.
+    # last traceback keeps the run's objects alive, its DataLoader's workers too): another process may resume.
     diverging = ["--learning_rate", "1e30", "--max_grad_norm", "0", "--dataloader_num_workers", "1"]
     with pytest.raises(train.UserError, match="NaN or infinite") as failed:
         run_main(*train_args(tiny_model, *data, out, *diverging))

@@ -191,7 +191,7 @@ CASES = [
                  id="SLURM's USR1 warning"),
     pytest.param("accelerate", "one rank", signal.SIGTERM, LAUNCHER_STATUS, {}, True, (),
                  id="SIGTERM to one rank only"),
-    # 2 threads: torch's thread pool runs in the rank, so its forked workers start with threads of their own.
+    # 2 threads: the rank has run torch's thread pool when its workers start.
     pytest.param("python", "all", signal.SIGTERM, 128 + signal.SIGTERM, {}, False, (*WORKERS, "--cpu_threads", "2"),
                  id="python train.py, SIGTERM to it and its collating workers"),
     pytest.param("torchrun", "launcher", signal.SIGKILL, None, {}, True, (), id="launcher killed: its ranks stop"),
