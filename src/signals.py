@@ -117,10 +117,10 @@ def workers_context():
     holds the interpreter's thread-state lock waits for it forever (CPython gh-112275, in 3.11.7 here, seen with gdb;
     Python 3.12 warns of any fork with threads). 2-rank runs evaluating every step, one worker each, hung 3 times in
     190, the other rank waiting in its next collective. The fork server is one process per rank, started by fork and
-    exec, that imports what the workers need once and forks each of them. It blocks SIGTERM, which a scheduler sends
-    to every process of a job: torch's workers end when their parent does (end_with_the_rank ends them with their
-    rank instead), and the server when its rank and workers have. Workers receive the collator pickled, and run the
-    main script again (without its `if __name__ == "__main__":` part), as under spawn."""
+    exec, that imports what the workers need once and forks each of them. It blocks the stop signals: a scheduler
+    sends them to every process of a job, and torch's workers end when their parent does (end_with_the_rank ends
+    them with their rank instead); the server ends when its rank and workers have. Workers receive the collator
+    pickled, and run the main script again (without its `if __name__ == "__main__":` part), as under spawn."""
     # The method set, else the platform's default (the first listed), without setting it as get_start_method() would.
     # A method set to fork is replaced too: the workers are the loaders' own.
     method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
@@ -134,11 +134,13 @@ def workers_context():
     # would do nothing: Python 3.11 does not pass the server its path.)
     project = __name__.split(".")[0]
     context.set_forkserver_preload(sorted(name for name in sys.modules if name.split(".")[0] == project))
-    # Started with SIGTERM blocked, which it and the workers it forks inherit: blocked in this thread only, so a
-    # SIGTERM meanwhile still reaches the rank's handler. (The resource tracker first: starting it unblocks SIGTERM.)
-    resource_tracker.ensure_running()
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    # Started with the stop signals blocked, which the server, its workers and the resource tracker inherit (a worker
+    # would die of SIGUSR1 or SIGHUP, and end at a SIGINT): the rank alone decides when they stop. Blocked in this
+    # thread only, so that a signal meanwhile still reaches the rank's handler.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
+        resource_tracker.ensure_running()  # it unblocks SIGINT and SIGTERM as it starts: blocked again below
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         forkserver.ensure_running()  # now, while the rank prepares
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -147,13 +149,14 @@ def workers_context():
 
 def end_with_the_rank(rank: int, worker_id: int):
     """A collating worker's `worker_init_fn` (src/loaders.py), for process `rank`: the worker ends when its rank sends
-    SIGTERM or has ended, and outlives anyone else's SIGTERM. SLURM and systemd send SIGTERM to every process of a
-    job; a worker that died of it would fail its rank where the rank's own handler saves a checkpoint. A rank killed
+    SIGTERM or has ended, and outlives anyone else's SIGTERM and the other stop signals. SLURM and systemd signal
+    every process of a job; a worker that died of it would fail its rank where the rank's own handler saves a
+    checkpoint. A rank killed
     outright (the OOM killer) leaves its workers to the fork server, which they keep alive and torch's workers watch
     (their parent): they end here instead. Without sigtimedwait (macOS), torch's handling stays."""
     if not hasattr(signal, "sigtimedwait"):
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # for this thread and the threads it starts
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # for this thread and the threads it starts
     try:
         ended = os.pidfd_open(rank)  # readable once the rank has ended, reaped by its launcher or not (Linux 5.3)
     except (AttributeError, OSError):

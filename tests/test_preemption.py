@@ -255,16 +255,18 @@ def test_a_signal_saves_the_current_step_and_the_run_resumes_exactly(
     assert json.loads((folder / "all_results.json").read_text())["global_step"] == STEPS
 
 
-def test_a_collating_worker_outlives_sigterms_from_others_than_its_rank():
+def test_a_collating_worker_outlives_stop_signals_from_others_than_its_rank():
     """A scheduler's SIGTERM reaches every process of the job, collating workers and the fork server they come from
-    too. A worker killed, or ended because its server died (torch's workers stop when their parent does), would fail
-    its rank without the checkpoint that the rank's own handler saves. Sent 20 times to each of the rank's processes
-    from another process (`kill`), none may reach the worker's collating, however many threads the rank has run. The
+    too, and SLURM's USR1 warning, a closed terminal's SIGHUP and Ctrl-C's SIGINT reach them as well. A worker killed,
+    or ended because its server died (torch's workers stop when their parent does), would fail its rank without the
+    checkpoint that the rank's own handler saves. Each stop signal sent 5 times to each of the rank's processes from
+    another process (`kill`): none may reach the worker's collating, however many threads the rank has run. The
     worker is forked by the server, never by the rank: a child forked from a process with threads can hang."""
     from datasets import Dataset
     from torch.utils.data import default_collate
 
     from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, build_eval_dataloader
+    from src.signals import STOP_SIGNALS
 
     torch.set_num_threads(2)  # the autouse fixture gives back the threads of before the test
     torch.randn(512, 512) @ torch.randn(512, 512)  # the pool's threads, in this process
@@ -272,13 +274,16 @@ def test_a_collating_worker_outlives_sigterms_from_others_than_its_rank():
     batches = (batch["x"].tolist() for batch in build_eval_dataloader(rows, default_collate, 2, 1))
     assert next(batches) == [0, 1]
     started = psutil.Process().children(recursive=True)  # the fork server, its worker, their resource tracker
-    assert [p for p in started if p.ppid() != os.getpid()], "a worker forked from this process, which has threads"
-    for _ in range(20):
-        subprocess.run(["kill", "-TERM", *(str(process.pid) for process in started)], check=True)
-        time.sleep(0.01)  # delivered one by one: a pending signal would absorb the next
+    workers = [p for p in started if p.ppid() != os.getpid()]
+    assert workers, "a worker forked from this process, which has threads"
+    for _ in range(5):
+        for name in ("TERM", "USR1", "HUP", "INT"):
+            subprocess.run(["kill", f"-{name}", *(str(process.pid) for process in started)], check=True)
+            time.sleep(0.01)  # delivered one by one: a pending signal would absorb the next
     assert list(batches) == [[i, i + 1] for i in range(2, 40, 2)]
-    # The rank blocked SIGTERM only while starting the server: its own handler (the checkpoint) must still receive it.
-    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    assert all(p.is_running() for p in started if p not in workers), "the fork server and the resource tracker live on"
+    # The rank blocked them only while starting the server: its own handler (the checkpoint) must still receive them.
+    assert not set(STOP_SIGNALS) & signal.pthread_sigmask(signal.SIG_BLOCK, set())
 
 
 # A rank that collates in a worker, then waits to be killed.
