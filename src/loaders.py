@@ -158,11 +158,12 @@ def _check_picklable(collator):
     names: a closure, or a function of a notebook's or `python -c`'s (a __main__ without a file), fails there as the
     workers start, in a traceback from torch. Said here, before any training, in one line."""
     try:
-        payload, why = pickle.dumps(collator), None
+        payload = pickle.dumps(collator)
     except (pickle.PicklingError, AttributeError, TypeError) as err:
-        payload, why = b"", str(err)
-    if b"__main__" in payload and not hasattr(sys.modules["__main__"], "__file__"):
-        why = "it is defined in a notebook or `python -c`, which the workers cannot import"
+        why = str(err)
+    else:
+        in_fileless_main = b"__main__" in payload and not hasattr(sys.modules["__main__"], "__file__")
+        why = "it is defined in a notebook or `python -c`, which the workers cannot import" if in_fileless_main else ""
     if why:
         name = getattr(collator, "__qualname__", type(collator).__qualname__)
         raise UserError(f"the task's collator ({name}) cannot be sent to the collating workers "

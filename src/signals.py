@@ -141,7 +141,7 @@ def workers_context():
     try:
         resource_tracker.ensure_running()  # it unblocks SIGINT and SIGTERM as it starts: blocked again below
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        forkserver.ensure_running()  # now, while the rank prepares
+        forkserver.ensure_running()  # now, as the loaders are made, not at their first batch
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return context
@@ -151,9 +151,9 @@ def end_with_the_rank(rank: int, worker_id: int):
     """A collating worker's `worker_init_fn` (src/loaders.py), for process `rank`: the worker ends when its rank sends
     SIGTERM or has ended, and outlives anyone else's SIGTERM and the other stop signals. SLURM and systemd signal
     every process of a job; a worker that died of it would fail its rank where the rank's own handler saves a
-    checkpoint. A rank killed
-    outright (the OOM killer) leaves its workers to the fork server, which they keep alive and torch's workers watch
-    (their parent): they end here instead. Without sigtimedwait (macOS), torch's handling stays."""
+    checkpoint. A rank killed outright (the OOM killer) leaves its workers to the fork server, which they keep alive
+    and torch's workers watch (their parent): they end here instead. Without sigtimedwait (macOS), torch's handling
+    stays."""
     if not hasattr(signal, "sigtimedwait"):
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # for this thread and the threads it starts
