@@ -15,7 +15,7 @@ import gc
 
 SCRIPT = __name__ == "__main__"
 if SCRIPT:
-    gc.disable()  # during the imports, as train.py does (why: there)
+    gc.disable()  # until the evaluation is set up, as in train.py (why: src/runtime.py, collection_resumes)
 import csv
 from pathlib import Path
 
@@ -33,12 +33,11 @@ from src.loaders import build_eval_dataloader, collating_workers, padding_option
 from src.model import prepare_for_evaluation, resolve_max_length
 from src.record import DEFAULT_TASK, RECORD_FILE, read_record
 from src.reporting import metrics_line, setup_logging, write_json
-from src.runtime import accelerate_state_of_this_run, make_accelerator, refuse_fsdp_without_gpus
+from src.runtime import accelerate_state_of_this_run, collection_resumes, make_accelerator, refuse_fsdp_without_gpus
 from src.tasks import task_class, task_of_model
 
 if SCRIPT:
     gc.freeze()
-    gc.enable()
 
 logger = get_logger(__name__)
 
@@ -147,6 +146,7 @@ def evaluate_model(args) -> dict:
                             "tokens")  # fmt: skip
 
     model = prepare_for_evaluation(model, accelerator)
+    collection_resumes(SCRIPT)
     metrics, columns = {"eval_samples": 0}, None
     batch_size = args.per_device_eval_batch_size or record.get("per_device_eval_batch_size") or 64
     if len(dataset):  # prompts alone (no answers to score) are only answered, below

@@ -12,9 +12,8 @@ What is learnt (model, features, loss, metrics) is the task's: src/tasks/. This 
 
 import gc
 
-# Run as a script, each process imports the libraries below: millions of objects and no garbage, and collecting
-# during them takes ~1 s of the ~5 s they cost on a small CPU. What they make lives as long as the process, so it is
-# frozen after them (never scanned again) and collection resumes. Imported (a notebook, the tests), nothing changes.
+# Run as a script, no garbage collection until the run is set up, and what the imports made frozen (never scanned):
+# src/runtime.py, collection_resumes, says why. Imported (a notebook, the tests), collection stays as it was.
 SCRIPT = __name__ == "__main__"
 if SCRIPT:
     gc.disable()
@@ -73,7 +72,12 @@ from src.reporting import (
     tracker_project,
     write_json,
 )
-from src.runtime import accelerate_state_of_this_run, make_accelerator, refuse_fsdp_without_gpus
+from src.runtime import (
+    accelerate_state_of_this_run,
+    collection_resumes,
+    make_accelerator,
+    refuse_fsdp_without_gpus,
+)
 from src.signals import StopSignals, StopVote
 from src.state import TrainState
 from src.tasks import detect_task, task_class
@@ -81,7 +85,6 @@ from src.throughput import ThroughputWindow
 
 if SCRIPT:
     gc.freeze()
-    gc.enable()
 
 logger = get_logger(__name__)
 
@@ -235,6 +238,7 @@ def train(args) -> dict:
     # The run holds --output_dir from here until it returns: a second run started into it is refused.
     with holding_output_dir(accelerator, args.output_dir, args.save_on_each_node):
         state = start_or_resume(args, accelerator, task, resume_path, record, len(train_dataloader))
+        collection_resumes(SCRIPT)
         logger.info("***** Running training *****")
         lora = f" with LoRA (r={args.lora_r}, {args.lora_target_modules})" if args.use_peft else ""
         model_name = args.model_name_or_path or f"a new {args.config_name or args.model_type} with random weights"

@@ -1,5 +1,5 @@
 """What a run takes from its machine and its launcher: CPU threads, the Accelerator (whose process-wide state main()
-drops at its end), and a refusal of FSDP where it cannot shard.
+drops at its end), a refusal of FSDP where it cannot shard, and when the scripts collect garbage.
 
 `accelerate launch` and torchrun set OMP_NUM_THREADS=1, which would leave a CPU run on one core per process.
 """
@@ -138,6 +138,19 @@ def set_cpu_threads(requested: int | None) -> int:
     threads = requested or threads_chosen_by_user() or max(1, physical_cores() // local_world_size())
     torch.set_num_threads(threads)
     return threads
+
+
+def collection_resumes(script: bool):
+    """Garbage collection back on once a script is set up, and what the setup made frozen (never scanned again).
+
+    Run as scripts, train.py and evaluate.py switch collection off before their imports and freeze what the imports
+    made. The setup (the imports, then the model's code, the data and the model) makes millions of objects that live
+    as long as the run, and hardly any garbage; collecting over and over during it took ~1 s of the ~5 s it costs on
+    a small CPU. Imported (a notebook, the tests), `script` is False and collection stays as the caller had it."""
+    if script:
+        gc.collect()  # the setup's little garbage (the argument parser's cycles), once: frozen, it would never go
+        gc.freeze()
+        gc.enable()
 
 
 def refuse_fsdp_without_gpus():

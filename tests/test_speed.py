@@ -3,13 +3,12 @@
 import gc
 import json
 import runpy
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, run_process
+from conftest import REPO, run_process, train_args
 from datasets import Dataset
 
 import src.loaders
@@ -160,39 +159,44 @@ def test_gpu_benchmark_runs_end_to_end_on_tiny_models(tmp_path):
     assert "| minilm train.py | 1 | 4 x 6 |" in table and "x |" in table.split("minilm train.py")[1].split("\n")[0]
 
 
-# Runs a script as `python <script>.py --help` does, counting the garbage collections between its gc.disable() and its
-# first gc.freeze() (its imports), then what the process holds once it has ended.
-COLLECTIONS_DURING_IMPORTS = """
+# Runs a script as `python <script>.py ARGS` does, counting the garbage collections between its gc.disable() and its
+# gc.enable() (its setup: imports, data, model), then what the process holds once it has ended.
+COLLECTIONS_DURING_SETUP = """
 import gc, json, runpy, sys
-script = sys.argv[1]
 collections, marks = [], {}
 gc.callbacks.append(lambda phase, info: phase == "start" and collections.append(info["generation"]))
-for name in ("disable", "freeze"):
+for name in ("disable", "enable"):
     def marked(original=getattr(gc, name), name=name):
         marks.setdefault(name, len(collections))
+        marks.setdefault(name + "d with the model's code", "transformers.models.bert.modeling_bert" in sys.modules)
         original()
     setattr(gc, name, marked)
-sys.argv = [script, "--help"]
+sys.argv = sys.argv[1:]
 try:
-    runpy.run_path(script, run_name="__main__")
+    runpy.run_path(sys.argv[0], run_name="__main__")
 except SystemExit:
     pass
 print(json.dumps({"marks": marks, "enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}))
 """
 
 
-def test_the_scripts_import_their_libraries_without_collecting_garbage_then_collect_again():
-    """~1 s of a run's ~5 s of imports on a small CPU was garbage collection that found nothing to free."""
-    processes = {script: subprocess.Popen([sys.executable, "-c", COLLECTIONS_DURING_IMPORTS, script], cwd=REPO,
-                                          stdout=subprocess.PIPE, text=True)
-                 for script in ("train.py", "evaluate.py")}  # fmt: skip
-    for script, process in processes.items():
-        seen = json.loads(process.communicate(timeout=300)[0].splitlines()[-1])  # after --help's text
-        assert "disable" in seen["marks"], f"{script} collects garbage during its imports"
-        during = seen["marks"]["freeze"] - seen["marks"]["disable"]
-        assert during == 0, f"{script}'s imports ran {during} garbage collections"
+def test_the_scripts_set_up_without_collecting_garbage_then_collect_again(tiny_model, tiny_data, tmp_path):
+    """~1 s of a run's ~5 s of setup on a small CPU was garbage collection that found nothing to free. A tiny run,
+    then its evaluation, as scripts: none during the setup, but the one that clears its little garbage."""
+    out = tmp_path / "out"
+    commands = {
+        "train.py": train_args(tiny_model, *tiny_data, out, "--num_train_epochs", "1"),
+        "evaluate.py": ["--model_name_or_path", str(out), "--validation_file", str(tiny_data[1])],
+    }
+    for script, argv in commands.items():
+        done = run_process([sys.executable, "-c", COLLECTIONS_DURING_SETUP, script, *argv], 300, cwd=REPO)
+        seen = json.loads(done.stdout.splitlines()[-1])
+        assert "enable" in seen["marks"], f"{script} never collects garbage again:\n{done.stderr[-3000:]}"
+        assert seen["marks"]["enabled with the model's code"], f"{script} collects again before it loads the model"
+        during = seen["marks"]["enable"] - seen["marks"]["disable"]
+        assert during == 1, f"{script}'s setup ran {during} garbage collections, not one"
         assert seen["enabled"], f"{script} left garbage collection off"
-        assert seen["frozen"] > 100_000, "what the imports made is frozen, never scanned by a collection again"
+        assert seen["frozen"] > 100_000, "what the setup made is frozen, never scanned by a collection again"
 
 
 def test_imported_the_scripts_leave_garbage_collection_as_it_was(monkeypatch):
