@@ -26,7 +26,7 @@ from src.args import Flags, build_eval_parser, parse_args, recorded_task
 from src.checkpoint import RESULTS_FILE, STATE_FILE, check_writable
 from src.data import check_column_flags, load_file, load_hub_dataset, pick_split
 from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli
-from src.evaluation import evaluate
+from src.evaluation import evaluate, with_top_level_metrics
 from src.generation import generate
 from src.glue import glue_labels
 from src.loaders import build_eval_dataloader, collating_workers, padding_options
@@ -184,7 +184,9 @@ def write_results(output_dir: Path, metrics: dict, columns: dict, task, data, ge
     # Rounded to 6 decimals, which hides most of what the number of processes changes (the summation order). Not all:
     # another batch size or number of processes pads differently, which moves fp32 outputs by ~1e-7 (bf16 autocast:
     # eval_loss in the 6th decimal), and a metric of nearly constant predictions (a correlation) magnifies that.
-    write_json(output_dir / "eval_results.json", {k: round(v, 6) for k, v in metrics.items()})
+    write_json(
+        output_dir / "eval_results.json", {k: round(v, 6) for k, v in with_top_level_metrics(metrics, task).items()}
+    )
     rows = (
         {"index": []}
         if columns is None

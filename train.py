@@ -55,7 +55,7 @@ from src.errors import (
     run_cli,
     unused_parameters_explained,
 )
-from src.evaluation import evaluate, evaluate_more
+from src.evaluation import evaluate, evaluate_more, with_top_level_metrics
 from src.hub import check_hub_access, push_to_hub, upload_command
 from src.loaders import build_eval_dataloader, build_train_dataloader, collating_workers, padding_options
 from src.model import prepare_for_training, resolve_max_length
@@ -273,8 +273,7 @@ def train(args) -> dict:
                 throughput = finish_training(run)
                 eval_metrics = run.eval_metrics | evaluate_more(model, eval_dataloaders, accelerator, task)  # MNLI's mm
                 results = {
-                    **eval_metrics,
-                    **{name: eval_metrics[f"eval_{name}"] for name in task.top_level_metrics},
+                    **with_top_level_metrics(eval_metrics, task),
                     **throughput,
                     "num_processes": accelerator.num_processes,
                     "cpu_threads_per_process": cpu_threads,

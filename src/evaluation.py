@@ -54,6 +54,13 @@ def evaluate(model, dataloader, accelerator, task) -> tuple[dict, dict]:
     return metrics, columns
 
 
+def with_top_level_metrics(metrics: dict, task) -> dict:
+    """`metrics` and, without their eval_ prefix, the task's `top_level_metrics` (a causal LM's perplexity), which the
+    transformers examples write so: all_results.json, and run_clm.py's eval_results.json."""
+    top_level = {name: metrics[f"eval_{name}"] for name in task.top_level_metrics if f"eval_{name}" in metrics}
+    return {**metrics, **top_level}
+
+
 def _concatenate(values: list[torch.Tensor]) -> torch.Tensor:
     """One tensor from the batches' tensors, padded to the longest along the second dimension when they differ."""
     longest = max(value.shape[1] for value in values) if values[0].dim() > 1 else None

@@ -4,11 +4,12 @@ import gc
 import json
 import runpy
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, run_process, train_args
+from conftest import REPO, run_process, sentiment_rows, train_args, write_rows
 from datasets import Dataset
 
 import src.loaders
@@ -181,17 +182,21 @@ print(json.dumps({"marks": marks, "enabled": gc.isenabled(), "frozen": gc.get_fr
 
 
 def test_the_scripts_set_up_without_collecting_garbage_then_collect_again(tiny_model, tiny_data, tmp_path):
-    """~1 s of a run's ~5 s of setup on a small CPU was garbage collection that found nothing to free. A tiny run,
-    then its evaluation, as scripts: none during the setup, but the one that clears its little garbage."""
-    out = tmp_path / "out"
-    commands = {
-        "train.py": train_args(tiny_model, *tiny_data, out, "--num_train_epochs", "1"),
-        "evaluate.py": ["--model_name_or_path", str(out), "--validation_file", str(tiny_data[1])],
-    }
-    for script, argv in commands.items():
-        done = run_process([sys.executable, "-c", COLLECTIONS_DURING_SETUP, script, *argv], 300, cwd=REPO)
-        seen = json.loads(done.stdout.splitlines()[-1])
-        assert "enable" in seen["marks"], f"{script} never collects garbage again:\n{done.stderr[-3000:]}"
+    """~1 s of a run's ~5 s of setup on a small CPU was garbage collection that found nothing to free. A tiny run and
+    an evaluation, as scripts (at once): none during the setup, but the one that clears its little garbage."""
+    rows = [{"sentence": row["sentence"], "label": int(row["label"] == "positive")} for row in sentiment_rows(16)]
+    arguments = {
+        "train.py": train_args(tiny_model, *tiny_data, tmp_path / "out", "--num_train_epochs", "1"),
+        # The tiny model as a model from elsewhere, whose labels are 0 and 1.
+        "evaluate.py": ["--model_name_or_path", str(tiny_model), "--validation_file",
+                        str(write_rows(tmp_path / "label-ids.csv", rows)), "--output_dir", str(tmp_path / "eval")],
+    }  # fmt: skip
+    commands = [[sys.executable, "-c", COLLECTIONS_DURING_SETUP, script, *argv] for script, argv in arguments.items()]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = pool.map(lambda command: run_process(command, 300, cwd=REPO), commands)
+    for script, finished in zip(arguments, done):
+        seen = json.loads(finished.stdout.splitlines()[-1])
+        assert "enable" in seen["marks"], f"{script} never collects garbage again:\n{finished.stderr[-3000:]}"
         assert seen["marks"]["enabled with the model's code"], f"{script} collects again before it loads the model"
         during = seen["marks"]["enable"] - seen["marks"]["disable"]
         assert during == 1, f"{script}'s setup ran {during} garbage collections, not one"
