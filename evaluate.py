@@ -12,10 +12,13 @@ Every example counts once whether it runs on 1 or many processes; the metrics ag
 """
 
 import gc
+import sys
 
-SCRIPT = __name__ == "__main__"
+# As in train.py (why: there): no garbage collection until the evaluation is set up, in a process that ends with it.
+_ipython = sys.modules.get("IPython")
+SCRIPT = __name__ == "__main__" and (_ipython is None or _ipython.get_ipython() is None)
 if SCRIPT:
-    gc.disable()  # until the evaluation is set up, as in train.py (why: src/runtime.py, collection_resumes)
+    gc.disable()
 import csv
 from pathlib import Path
 

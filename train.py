@@ -11,10 +11,13 @@ What is learnt (model, features, loss, metrics) is the task's: src/tasks/. This 
 """
 
 import gc
+import sys
 
-# Run as a script, no garbage collection until the run is set up, and what the imports made frozen (never scanned):
-# src/runtime.py, collection_resumes, says why. Imported (a notebook, the tests), collection stays as it was.
-SCRIPT = __name__ == "__main__"
+# Run as a script, in a process that ends with it: no garbage collection until the run is set up, and what the imports
+# made frozen (never scanned); src/runtime.py, collection_resumes, says why. Imported (a notebook, the tests), or run
+# by IPython's `%run train.py` (its kernel goes on, and would keep what is frozen), collection stays as it was.
+_ipython = sys.modules.get("IPython")  # imported by some libraries outside IPython too: running is what counts
+SCRIPT = __name__ == "__main__" and (_ipython is None or _ipython.get_ipython() is None)
 if SCRIPT:
     gc.disable()
 import time

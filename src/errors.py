@@ -98,11 +98,12 @@ def run_cli(main, parse_args):
     """Run `main(parse_args())`; a UserError becomes one line on stderr and exit status 2, Ctrl-C one line and 130.
 
     What is alive at the end (model, data) is freed by the process's exit, not by Python: frozen, the exit's garbage
-    collection does not scan it (0.1-1 s less); the scripts froze what their imports made likewise.
+    collection does not scan it (0.1-1 s less); the scripts froze what their setup made likewise. Not under `%run`:
+    frozen, what the run left in a cycle would stay in the kernel's memory for good.
     """
     global process_ends_with_main
     ipython = sys.modules.get("IPython")  # imported by some libraries outside IPython too: running is what counts
-    process_ends_with_main = ipython is None or ipython.get_ipython() is None
+    ends_with_main = process_ends_with_main = ipython is None or ipython.get_ipython() is None
     try:
         return main(parse_args())
     except UserError as err:
@@ -114,7 +115,8 @@ def run_cli(main, parse_args):
         sys.exit(130)  # as a shell reports a process ended by SIGINT
     finally:
         process_ends_with_main = False
-        gc.freeze()
+        if ends_with_main:
+            gc.freeze()
 
 
 def _say(line: str):

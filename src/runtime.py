@@ -145,10 +145,14 @@ def collection_resumes(script: bool):
 
     Run as scripts, train.py and evaluate.py switch collection off before their imports and freeze what the imports
     made. The setup (the imports, then the model's code, the data and the model) makes millions of objects that live
-    as long as the run, and hardly any garbage; collecting over and over during it took ~1 s of the ~5 s it costs on
-    a small CPU. Imported (a notebook, the tests), `script` is False and collection stays as the caller had it."""
+    as long as the run, and hardly any garbage; collecting over and over during it took ~1.3 s of the ~5 s it costs
+    on a small CPU. Imported, or under IPython's `%run`, `script` is False and collection stays as the caller had it.
+    """
     if script:
-        gc.collect()  # the setup's little garbage (the argument parser's cycles), once: frozen, it would never go
+        # The setup's garbage, once: a few thousand small objects (the argument parser's cycles; frames that torch.fx
+        # keeps in a cycle while transformers imports the model's code, which hold the setup functions' locals until
+        # now). Frozen uncollected, they would stay for the whole run.
+        gc.collect()
         gc.freeze()
         gc.enable()
 

@@ -1,9 +1,12 @@
 """Speed work: the sampler's padding bound and guarantees, and the benchmark scripts' own logic."""
 
+import contextlib
 import gc
+import io
 import json
 import runpy
 import sys
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -160,16 +163,19 @@ def test_gpu_benchmark_runs_end_to_end_on_tiny_models(tmp_path):
     assert "| minilm train.py | 1 | 4 x 6 |" in table and "x |" in table.split("minilm train.py")[1].split("\n")[0]
 
 
-# Runs a script as `python <script>.py ARGS` does, counting the garbage collections between its gc.disable() and its
-# gc.enable() (its setup: imports, data, model), then what the process holds once it has ended.
+# Runs a script as `python <script>.py ARGS` does, noting the garbage collections from its gc.disable() to its
+# gc.enable() (its setup: imports, data, model), and at each gc.freeze() how many had run and how much was frozen.
 COLLECTIONS_DURING_SETUP = """
 import gc, json, runpy, sys
-collections, marks = [], {}
+collections, marks, freezes = [], {}, []
 gc.callbacks.append(lambda phase, info: phase == "start" and collections.append(info["generation"]))
-for name in ("disable", "enable"):
+for name in ("disable", "enable", "freeze"):
     def marked(original=getattr(gc, name), name=name):
+        if name == "freeze" and "enable" not in marks:
+            freezes.append([len(collections), gc.get_freeze_count()])
         marks.setdefault(name, len(collections))
-        marks.setdefault(name + "d with the model's code", "transformers.models.bert.modeling_bert" in sys.modules)
+        marks.setdefault(name + " with the model's code", "transformers.models.bert.modeling_bert" in sys.modules)
+        marks.setdefault(name + ": frozen", gc.get_freeze_count())
         original()
     setattr(gc, name, marked)
 sys.argv = sys.argv[1:]
@@ -177,13 +183,14 @@ try:
     runpy.run_path(sys.argv[0], run_name="__main__")
 except SystemExit:
     pass
-print(json.dumps({"marks": marks, "enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}))
+print(json.dumps({"marks": marks, "freezes": freezes, "enabled": gc.isenabled()}))
 """
 
 
 def test_the_scripts_set_up_without_collecting_garbage_then_collect_again(tiny_model, tiny_data, tmp_path):
-    """~1 s of a run's ~5 s of setup on a small CPU was garbage collection that found nothing to free. A tiny run and
-    an evaluation, as scripts (at once): none during the setup, but the one that clears its little garbage."""
+    """~1.3 s of a run's ~5 s of setup on a small CPU was garbage collection that found nothing to free. A tiny run
+    and an evaluation, as scripts (at once): none during the setup but the one that clears its little garbage, then
+    what the setup made is frozen."""
     rows = [{"sentence": row["sentence"], "label": int(row["label"] == "positive")} for row in sentiment_rows(16)]
     arguments = {
         "train.py": train_args(tiny_model, *tiny_data, tmp_path / "out", "--num_train_epochs", "1"),
@@ -196,16 +203,21 @@ def test_the_scripts_set_up_without_collecting_garbage_then_collect_again(tiny_m
         done = pool.map(lambda command: run_process(command, 300, cwd=REPO), commands)
     for script, finished in zip(arguments, done):
         seen = json.loads(finished.stdout.splitlines()[-1])
-        assert "enable" in seen["marks"], f"{script} never collects garbage again:\n{finished.stderr[-3000:]}"
-        assert seen["marks"]["enabled with the model's code"], f"{script} collects again before it loads the model"
-        during = seen["marks"]["enable"] - seen["marks"]["disable"]
+        marks = seen["marks"]
+        assert "enable" in marks, f"{script} never collects garbage again:\n{finished.stderr[-3000:]}"
+        assert marks["enable with the model's code"], f"{script} collects again before it loads the model"
+        during = marks["enable"] - marks["disable"]
         assert during == 1, f"{script}'s setup ran {during} garbage collections, not one"
+        # Frozen after its imports, then again after that one collection (frozen first, its garbage would stay).
+        assert [at for at, _ in seen["freezes"]] == [marks["disable"], marks["enable"]], f"{script}: {seen['freezes']}"
+        setup_frozen = marks["enable: frozen"] - seen["freezes"][-1][1]
+        assert setup_frozen > 50_000, f"{script}: {setup_frozen} objects of the setup frozen"
         assert seen["enabled"], f"{script} left garbage collection off"
-        assert seen["frozen"] > 100_000, "what the setup made is frozen, never scanned by a collection again"
 
 
-def test_imported_the_scripts_leave_garbage_collection_as_it_was(monkeypatch):
-    """A notebook or the tests import them: their own garbage stays collectable, and collection stays as they set it."""
+def test_imported_or_under_ipython_the_scripts_leave_garbage_collection_as_it_was(monkeypatch):
+    """A notebook or the tests import them, and IPython's `%run train.py` runs one in a kernel that goes on: their own
+    garbage stays collectable, and collection stays as they set it, also when the script stops early (`--help`)."""
     freezes = []
     monkeypatch.setattr(gc, "freeze", lambda: freezes.append(1))
     gc.disable()
@@ -213,5 +225,13 @@ def test_imported_the_scripts_leave_garbage_collection_as_it_was(monkeypatch):
         for script in ("train.py", "evaluate.py"):
             runpy.run_path(str(REPO / script), run_name=script.removesuffix(".py"))
             assert not gc.isenabled() and not freezes, script
+        shell = types.ModuleType("IPython")
+        shell.get_ipython = lambda: object()  # a running IPython, as under `%run`
+        monkeypatch.setitem(sys.modules, "IPython", shell)
+        monkeypatch.setattr(sys, "argv", ["train.py", "--help"])
+        for script in ("train.py", "evaluate.py"):
+            with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()):
+                runpy.run_path(str(REPO / script), run_name="__main__")
+            assert not gc.isenabled() and not freezes, f"%run {script}"
     finally:
         gc.enable()
