@@ -142,6 +142,11 @@ def workers_context():
         resource_tracker.ensure_running()  # it unblocks SIGINT and SIGTERM as it starts: blocked again below
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         forkserver.ensure_running()  # now, as the loaders are made, not at their first batch
+    except ChildProcessError:
+        # This process was forked from one that had started its fork server (notebook_launcher's ranks, after a run
+        # with workers in the kernel): multiprocessing keeps one server per process, and checks on the inherited one
+        # as its parent, which this process is not. Spawned workers: slower to start, and never forked either.
+        return multiprocessing.get_context("spawn")
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return context

@@ -790,15 +790,19 @@ def test_a_notebook_kernels_command_line_is_not_parsed(monkeypatch):
 
 
 def test_notebook_launcher_runs_two_cpu_processes(tmp_path, tiny_model):
-    """What the README shows for notebooks, in a fresh interpreter with a kernel's sys.argv."""
+    """What the README shows for notebooks, in a fresh interpreter with a kernel's sys.argv, after a run with
+    collating workers in the kernel: the ranks are forked from a process that has a fork server of its own."""
     train_file = write_rows(tmp_path / "train.csv", sentiment_rows(32, seed=1))
     dev_file = write_rows(tmp_path / "dev.csv", sentiment_rows(9, seed=2))
-    flags = train_args(tiny_model, train_file, dev_file, tmp_path / "out", "--num_train_epochs", "1")
+    flags = train_args(tiny_model, train_file, dev_file, tmp_path / "out", "--num_train_epochs", "1",
+                       "--dataloader_num_workers", "1")  # fmt: skip
     code = (
         "import sys\n"
         "sys.argv = ['ipykernel_launcher.py', '-f', '/tmp/kernel.json']\n"
         "from accelerate import notebook_launcher\n"
         "import train\n"
+        "from src.signals import workers_context\n"
+        "workers_context()  # the kernel's fork server, as a run in it with collating workers leaves it\n"
         f"notebook_launcher(train.main, (train.parse_train_args({flags!r}),), num_processes=2, "
         f"use_port='{free_port()}')\n"
     )
