@@ -3,6 +3,7 @@
 import contextlib
 import csv
 import gc
+import json
 import os
 import random
 import signal
@@ -306,6 +307,23 @@ TWO_RANK_FLAGS = ["--logging_steps", "1", "--eval_steps", "3", "--metric_for_bes
                   "--save_total_limit", "2"]  # fmt: skip
 
 
+def launched_once(tmp_path_factory, name: str, launch_run) -> dict:
+    """A session fixture's 2-rank run, `launch_run(folder)`: {"args": [model, train file, validation file], "flags",
+    "output_dir", "log"}. Each pytest-xdist worker has a session of its own, which would launch the run again (~20 s
+    of 2 cores): the first worker to ask launches it, into the folder the workers share, and the others read it."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # this run's folder, which holds each worker's own
+    record = shared / f"{name}.json"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not record.is_file():
+            record.write_text(json.dumps(launch_run(shared / name), default=str))
+    run = json.loads(record.read_text())
+    return {**run, "args": [Path(word) for word in run["args"]], "output_dir": Path(run["output_dir"])}
+
+
 @pytest.fixture(scope="session")
 def two_rank_run(tmp_path_factory, tiny_model_no_dropout):
     """One 2-process training run (4 rows per rank, dropout 0), shared by the tests that check what 2 ranks do.
@@ -313,16 +331,20 @@ def two_rank_run(tmp_path_factory, tiny_model_no_dropout):
     Real ranks (not in-process): DDP gradient averaging, sharding, gather_for_metrics, one writer, the early-stop
     and best-model decisions taken on every rank alike, and the saved weights of a wrapped model. Each rank collates
     in a worker process, as runs on GPUs do by default: the batches each rank sees and evaluates must be the same as
-    collated in the rank. To reproduce it elsewhere: train_args(*run["args"], output_dir, *run["flags"]).
+    collated in the rank. To reproduce it elsewhere: train_args(*run["args"], output_dir, *run["flags"]). Read-only.
     """
-    folder = tmp_path_factory.mktemp("two-ranks")
-    train_file = write_rows(folder / "train.csv", sentiment_rows(64, seed=1))
-    dev_file = write_rows(folder / "dev.csv", sentiment_rows(21, seed=2))
-    args = [str(tiny_model_no_dropout), train_file, dev_file]
-    flags = ["--per_device_train_batch_size", "4", *TWO_RANK_FLAGS]
-    result = launch("train.py", train_args(*args, folder / "out", *flags, "--dataloader_num_workers", "1"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {"args": args, "flags": flags, "output_dir": folder / "out", "log": result.stdout + result.stderr}
+
+    def launch_run(folder: Path) -> dict:
+        folder.mkdir()
+        train_file = write_rows(folder / "train.csv", sentiment_rows(64, seed=1))
+        dev_file = write_rows(folder / "dev.csv", sentiment_rows(21, seed=2))
+        args = [tiny_model_no_dropout, train_file, dev_file]
+        flags = ["--per_device_train_batch_size", "4", *TWO_RANK_FLAGS]
+        result = launch("train.py", train_args(*args, folder / "out", *flags, "--dataloader_num_workers", "1"))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return {"args": args, "flags": flags, "output_dir": folder / "out", "log": result.stdout + result.stderr}
+
+    return launched_once(tmp_path_factory, "two-ranks", launch_run)
 
 
 # Tiny random decoders in the layouts people fine-tune today. Their tokenizers, like Llama's and GPT-2's, have no
@@ -443,14 +465,18 @@ def two_rank_dropout_run(tmp_path_factory, tiny_model):
     it is reproducible from run to run (test_multinode starts it again on two 'machines') and it differs from
     the same run without dropout (test_distributed).
     """
-    folder = tmp_path_factory.mktemp("two-ranks-dropout")
-    train_file = write_rows(folder / "train.jsonl", score_rows(64, seed=1))
-    dev_file = write_rows(folder / "dev.parquet", score_rows(21, seed=2))
-    args = [str(tiny_model), train_file, dev_file]
-    flags = ["--per_device_train_batch_size", "4", "--label_column", "score", "--checkpointing_steps", "4"]
-    result = launch("train.py", train_args(*args, folder / "out", *flags, "--dataloader_num_workers", "1"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {"args": args, "flags": flags, "output_dir": folder / "out", "log": result.stdout + result.stderr}
+
+    def launch_run(folder: Path) -> dict:
+        folder.mkdir()
+        train_file = write_rows(folder / "train.jsonl", score_rows(64, seed=1))
+        dev_file = write_rows(folder / "dev.parquet", score_rows(21, seed=2))
+        args = [tiny_model, train_file, dev_file]
+        flags = ["--per_device_train_batch_size", "4", "--label_column", "score", "--checkpointing_steps", "4"]
+        result = launch("train.py", train_args(*args, folder / "out", *flags, "--dataloader_num_workers", "1"))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return {"args": args, "flags": flags, "output_dir": folder / "out", "log": result.stdout + result.stderr}
+
+    return launched_once(tmp_path_factory, "two-ranks-dropout", launch_run)
 
 
 def run_model_card_snippet(folder: Path) -> str:
