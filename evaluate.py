@@ -161,6 +161,7 @@ def evaluate_model(args) -> dict:
             f"process(es), batch size {batch_size} per process"
         )
         metrics, columns = evaluate(model, dataloader, accelerator, task)
+        metrics = with_top_level_metrics(metrics, task)  # a causal LM's perplexity where run_clm.py has it too
     label_column = args.label_column or record.get("label_column")
     if "eval_loss" not in metrics and prompts is None and label_column:
         fix = (
@@ -187,9 +188,7 @@ def write_results(output_dir: Path, metrics: dict, columns: dict, task, data, ge
     # Rounded to 6 decimals, which hides most of what the number of processes changes (the summation order). Not all:
     # another batch size or number of processes pads differently, which moves fp32 outputs by ~1e-7 (bf16 autocast:
     # eval_loss in the 6th decimal), and a metric of nearly constant predictions (a correlation) magnifies that.
-    write_json(
-        output_dir / "eval_results.json", {k: round(v, 6) for k, v in with_top_level_metrics(metrics, task).items()}
-    )
+    write_json(output_dir / "eval_results.json", {k: round(v, 6) for k, v in metrics.items()})
     rows = (
         {"index": []}
         if columns is None
