@@ -1,9 +1,11 @@
 """From tokenized rows to batches: the length-grouped sampler, the padding collator and the dataloaders, built the
 same way for training, evaluation and the batch-size probe."""
 
+import io
 import os
 import pickle
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -153,17 +155,32 @@ def _loader(dataset: Dataset, collator, batch_size: int, sampler, seed: int, num
     )  # fmt: skip
 
 
+class _NamesFromMain(pickle.Pickler):
+    """Pickles as the workers receive it, noting each function or class of __main__ that the pickle names."""
+
+    def __init__(self, file):
+        super().__init__(file)
+        self.from_main = []
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+            self.from_main.append(obj.__qualname__)
+        return NotImplemented  # pickled as usual
+
+
 def _check_picklable(collator):
     """Workers started by a fork server or spawn (src/signals.py) receive the collator pickled, and import what it
     names: a closure, or a function of a notebook's or `python -c`'s (a __main__ without a file), fails there as the
     workers start, in a traceback from torch. Said here, before any training, in one line."""
+    pickler = _NamesFromMain(io.BytesIO())
     try:
-        payload = pickle.dumps(collator)
+        pickler.dump(collator)
     except (pickle.PicklingError, AttributeError, TypeError) as err:
         why = str(err)
     else:
-        in_fileless_main = b"__main__" in payload and not hasattr(sys.modules["__main__"], "__file__")
-        why = "it is defined in a notebook or `python -c`, which the workers cannot import" if in_fileless_main else ""
+        in_fileless_main = pickler.from_main and not hasattr(sys.modules["__main__"], "__file__")
+        why = (f"it names {', '.join(dict.fromkeys(pickler.from_main))}, defined in a notebook or `python -c`, which "
+               "the workers cannot import") if in_fileless_main else ""  # fmt: skip
     if why:
         name = getattr(collator, "__qualname__", type(collator).__qualname__)
         raise UserError(f"the task's collator ({name}) cannot be sent to the collating workers "

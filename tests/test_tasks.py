@@ -1,6 +1,7 @@
 """The tasks users bring: multi-label, class imbalance, GLUE by name, run_glue_no_trainer.py's flags, notebooks."""
 
 import csv
+import functools
 import json
 import os
 import random
@@ -843,6 +844,18 @@ def test_a_collator_that_cannot_be_pickled_is_refused_before_training_with_worke
               "build_eval_dataloader(datasets.Dataset.from_dict(rows), collate, 2, num_workers=1)")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
     assert "defined in a notebook or `python -c`, which the workers cannot import" in result.stderr, result.stderr
+
+
+def test_a_collator_that_only_holds_the_text_main_goes_to_the_workers_from_a_notebook(monkeypatch):
+    """What the pickle names is looked at, not its bytes: a code model's vocabulary has "__main__" as a token."""
+    from src.loaders import _check_picklable
+
+    notebook = types.ModuleType("__main__")  # a notebook's: no __file__
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    _check_picklable(functools.partial(dict.fromkeys, ["__main__", "def", "import"]))  # as a tokenizer's vocabulary
+    exec("def collate(batch):\n    return batch\n", notebook.__dict__)
+    with pytest.raises(UserError, match="it names collate, defined in a notebook"):  # a notebook's function still is
+        _check_picklable(functools.partial(notebook.collate))
 
 
 def test_every_tasks_collator_pickles_for_dataloader_workers_started_by_spawn():
