@@ -24,6 +24,7 @@ from src.tasks import TASKS, task_class
 
 SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
 PRECISIONS = ["no", "fp16", "bf16"]
+LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")  # what only --use_peft reads
 # "all": every installed tracker that accelerate supports, as in transformers' examples.
 TRACKERS = ["tensorboard", "wandb", "mlflow", "comet_ml", "clearml", "all", "none"]
 # Trainer's and TRL's flags that have another spelling here (or none): what to write instead. Spelling alone would
@@ -741,8 +742,9 @@ def _read_config(parser: ArgumentParser, path: Path) -> dict:
     return loaded or {}
 
 
-def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
-    """The YAML file's keys and values as command-line words, checked against the parser's flags."""
+def _config_words(parser: ArgumentParser, path: Path, left_out: tuple[str, ...] = ()) -> list[str]:
+    """The YAML file's keys and values as command-line words, checked against the parser's flags; keys of the flags in
+    `left_out` are checked and left out."""
     # Every spelling of a flag (text_column and text_column_name, max_length and block_size) is a key; an on/off
     # switch's --no- form is not: `flag: false` says it.
     actions = {option[2:]: action for action in parser._actions for option in action.option_strings
@@ -761,7 +763,7 @@ def _config_words(parser: ArgumentParser, path: Path) -> list[str]:
         if actions[key].dest in given:
             parser.error(f"--config {path}: {given[actions[key].dest]} and {key} are the same flag: keep one")
         given[actions[key].dest] = key
-        if value is None:
+        if value is None or actions[key].dest in left_out:
             continue
         action = actions[key]
         if isinstance(action, Switch) or action.nargs == 0:
@@ -827,7 +829,13 @@ def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argpars
         parser.error("--config given more than once: merge the files into one (the command line still wins over it)")
     if first.config is None:
         return first
-    return parser.parse_args(_config_words(parser, first.config) + command_line)
+    # The file's LoRA settings go with its LoRA when the command line turns it off (a full fine-tune to compare with);
+    # kept, they would be refused as LoRA settings without --use_peft.
+    peft = ArgumentParser(add_help=False)
+    peft.add_argument("--use_peft", action=Switch, default=None)
+    peft_off = peft.parse_known_args(command_line)[0].use_peft is False
+    left_out = (*LORA_SETTINGS, "merge_lora") if peft_off else ()
+    return parser.parse_args(_config_words(parser, first.config, left_out) + command_line)
 
 
 def parse_train_args(argv: list[str] | None = None) -> Flags:
@@ -967,8 +975,7 @@ def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> arg
     # which a resume compares it with.
     words = args.lora_target_modules if isinstance(args.lora_target_modules, list) else [args.lora_target_modules]
     args.lora_target_modules = ",".join(name.strip() for word in words for name in word.split(",") if name.strip())
-    lora_settings = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
-    changed = [f"--{name}" for name in lora_settings if getattr(args, name) != parser.get_default(name)]
+    changed = [f"--{name}" for name in LORA_SETTINGS if getattr(args, name) != parser.get_default(name)]
     if changed and not args.use_peft:  # without it the whole model trains and these would be silently ignored
         parser.error(
             f"{', '.join(changed)} set(s) up LoRA: add --use_peft, or drop {'it' if len(changed) == 1 else 'them'}"

@@ -324,6 +324,23 @@ def test_yaml_takes_trls_lists_of_modules_and_quoted_true_and_false(tmp_path):
     assert parse_train_args(["--config", str(config)]).mixed_precision == "no"
 
 
+def test_no_use_peft_on_the_command_line_drops_the_config_files_lora_settings(tmp_path, capsys):
+    """A file written for LoRA, run once as a full fine-tune to compare: its LoRA settings go with its --use_peft.
+    Set without --use_peft in the file itself, or on the command line, they are still refused."""
+    config = tmp_path / "lora.yaml"
+    config.write_text("use_peft: true\nlora_r: 8\nlora_target_modules: q_proj\nmerge_lora: true\nseed: 3\n")
+    full = parse_train_args(["--config", str(config), "--no-use_peft"])
+    assert (full.use_peft, full.lora_r, full.lora_target_modules, full.merge_lora, full.seed) == (
+        False, 16, "all-linear", False, 3)  # fmt: skip
+    assert parse_train_args(["--config", str(config), "--use_peft", "false"]).lora_r == 16
+    assert parse_train_args(["--config", str(config)]).lora_r == 8
+    for file, argv in (("lora_r: 8\n", []), ("use_peft: true\n", ["--no-use_peft", "--lora_r", "8"])):
+        config.write_text(file)
+        with pytest.raises(SystemExit):
+            parse_train_args(["--config", str(config), *argv])
+        assert "--lora_r set(s) up LoRA: add --use_peft, or drop it" in capsys.readouterr().err
+
+
 def test_evaluate_py_hints_only_at_its_own_flags(capsys):
     """Trainer's --lr is --learning_rate in train.py; evaluate.py trains nothing, so it names no flag it lacks."""
     from conftest import load_script
