@@ -53,10 +53,17 @@ def _fit_train_batch_size(sizes, probe, dataset, resume_path, trainable: int) ->
     if resume_path is not None:
         saved = read_checkpoint_args(resume_path)
         found = saved.get("per_device_train_batch_size"), saved.get("gradient_accumulation_steps")
-        if all(isinstance(n, int) for n in found) and found[0] * found[1] == requested * accumulation:
-            why = f"the batch size found when the run started (checkpoint {resume_path})"
-            return _use(sizes, probe.accelerator, *found, why)
-        return sizes  # different totals (or an unreadable checkpoint): loading the checkpoint says what is wrong
+        if not all(isinstance(n, int) for n in found):
+            return sizes  # an unreadable checkpoint: loading it says what is wrong
+        if found[0] * found[1] != requested * accumulation:  # in the sizes asked for: the run may have found others
+            raise UserError(
+                f"checkpoint {resume_path} was made with {found[0] * found[1]} examples per process and optimizer step "
+                f"(--per_device_train_batch_size {found[0]} x --gradient_accumulation_steps {found[1]}) and this run "
+                f"asks for {requested * accumulation} ({requested} x {accumulation}): resume with sizes that make "
+                f"{found[0] * found[1]}, so that the run continues exactly"
+            )
+        why = f"the batch size found when the run started (checkpoint {resume_path})"
+        return _use(sizes, probe.accelerator, *found, why)
     # A training step holds AdamW's two fp32 moments per trainable weight (made at the first real step) and, on
     # more than one process, DDP's gradient buckets (a copy of the gradients): the probe runs without DDP.
     reserve = 2 * trainable + (trainable if probe.accelerator.num_processes > 1 else 0)

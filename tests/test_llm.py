@@ -408,7 +408,9 @@ def test_auto_batch_size_backs_off_keeps_the_total_and_its_size_on_resume(
     # Another total batch than the run's is refused, not replaced by the sizes the run found for its own.
     other = tmp_path / "other"
     shutil.copytree(tmp_path / "auto" / "checkpoint-2", other / "checkpoint-2")
-    with pytest.raises(UserError, match=r"other settings .*--gradient_accumulation_steps 4 -> 2"):
+    made = r"made with 8 examples per process and optimizer step \(--per_device_train_batch_size 2 x "
+    asks = r"--gradient_accumulation_steps 4\) and this run asks for 16 \(8 x 2\): resume with sizes that make 8"
+    with pytest.raises(UserError, match=made + asks):
         run_train(*train_args(tiny_model, *data, other, *common, "--auto_find_batch_size", "--resume_from_checkpoint",
                               str(other / "checkpoint-2"), "--gradient_accumulation_steps", "2"))  # fmt: skip
 
