@@ -347,6 +347,7 @@ def test_multi_label_training_saves_labels_metrics_and_weights(multi_label_run):
 def test_evaluate_writes_label_sets_and_reproduces_the_weighted_loss(multi_label_run, tmp_path):
     args = ["--model_name_or_path", str(multi_label_run["out"]), "--validation_file", str(multi_label_run["dev"]),
             "--output_dir", str(tmp_path), "--per_device_eval_batch_size", "5"]  # fmt: skip
+    (tmp_path / "confusion_matrix.png").write_bytes(b"an earlier single-label evaluation's, into the same folder")
     metrics = evaluate_script.main(evaluate_script.parse_eval_args(args))
     # The run's class weights and threshold come from its args.json: the same loss as the run's last evaluation.
     assert metrics["eval_loss"] == pytest.approx(multi_label_run["results"]["eval_loss"], abs=1e-5)

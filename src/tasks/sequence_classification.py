@@ -318,6 +318,8 @@ class SequenceClassification(Task):
 
     def write_pictures(self, columns: dict, output_dir) -> list[str]:
         """A confusion matrix, or predicted-vs-true for regression; multi-label has per-label F1 in its results."""
+        for name in ("confusion_matrix.png", "predictions_vs_labels.png"):  # an earlier evaluation's, into this folder
+            (output_dir / name).unlink(missing_ok=True)  # would stand beside predictions that it does not show
         if "label" not in columns or self.is_multi_label:
             return []
         from src.plots import plot_confusion_matrix, plot_regression
