@@ -11,6 +11,13 @@ from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, build_eval_dataloader
 logger = get_logger(__name__)
 
 
+def stop_tokens(tokenizer, generation_config) -> list[int]:
+    """The tokens that end an answer: the tokenizer's EOS, which train.py appends to every answer, and the model's own
+    (`generation_config.eos_token_id`: one, a list, or none), such as a chat model's end of turn."""
+    eos = generation_config.eos_token_id
+    return sorted({tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])} - {None})
+
+
 def generate(model, prompts: list[list[int]], tokenizer, accelerator, batch_size: int, max_new_tokens: int,
              num_beams: int) -> list[str]:  # fmt: skip
     """The decoded new tokens (special tokens skipped) for each prompt, in the prompts' order: greedy, or beam search
@@ -32,9 +39,7 @@ def generate(model, prompts: list[list[int]], tokenizer, accelerator, batch_size
         return tokenizer.pad(rows, padding_side="left", return_tensors="pt")
 
     dataloader = accelerator.prepare(build_eval_dataloader(dataset, collate, batch_size))
-    # The tokenizer's EOS (which train.py appends to every answer) and the model's own, e.g. a chat model's end of turn.
-    eos = model.generation_config.eos_token_id  # one id, a list of them, or None
-    stop = {tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])}
+    stop = stop_tokens(tokenizer, model.generation_config)  # a train.py model has them in its config: others too
     training = model.training
     model.eval()
     texts, seen = {}, 0
@@ -44,7 +49,7 @@ def generate(model, prompts: list[list[int]], tokenizer, accelerator, batch_size
         with torch.no_grad(), accelerator.autocast():
             output = model.generate(
                 **batch, max_new_tokens=max_new_tokens, num_beams=num_beams, do_sample=False, use_cache=True,
-                eos_token_id=sorted(stop), pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=stop, pad_token_id=tokenizer.pad_token_id,
                 synced_gpus=accelerator.num_processes > 1,
             )  # fmt: skip
         # The ranks' answers differ in length: padded to the longest, then each prompt once (the sampler's repeats

@@ -443,10 +443,15 @@ def save_model(
         # without one `AutoModelForCausalLM.from_pretrained(folder)` loads the base and this adapter, as for TRL's.
         if new_head or getattr(base.config, "is_decoder", False):
             base.config.save_pretrained(adapter_dir)
+        if base.can_generate():  # where to stop (see the causal-LM task's build_model), which the base's lacks
+            base.generation_config.save_pretrained(adapter_dir)
         if merge_lora:
             backbone_dtype = next(base.base_model.parameters()).dtype  # the frozen weights' (bf16, or fp32)
             # The trained config's pad token too, which a folder without a config (a causal LM's) does not hold.
             pad_token_id = base.config.pad_token_id
             merged = load_adapter_folder(auto_class, adapter_dir, backbone_dtype, pad_token_id, trust_remote_code,
                                          new_head)  # fmt: skip
-            merged.merge_and_unload().save_pretrained(output_dir)
+            merged = merged.merge_and_unload()
+            if base.can_generate():  # the trained model's, as beside an adapter
+                merged.generation_config = base.generation_config
+            merged.save_pretrained(output_dir)

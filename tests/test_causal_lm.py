@@ -333,6 +333,36 @@ def test_the_model_card_shows_how_to_generate_and_that_runs(tmp_path, tiny_decod
     assert printed.startswith("[CLS] [UNK] [SEP]") and len(printed.split()) > 3, printed
 
 
+def test_the_saved_model_stops_at_the_eos_it_learnt_and_at_its_own(tmp_path, tiny_decoders, monkeypatch):
+    """A chat model's generation config may end answers at its end of turn, another token than its tokenizer's EOS,
+    which training appends to every answer. What generates with the saved model, whole, merged or an adapter, as the
+    model card shows, stops at both."""
+    import shutil
+
+    from transformers import GenerationMixin
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_decoders["llama"], base)
+    end_of_turn = 5  # a word of the tiny vocabulary; the tokenizer's EOS </s> is 2
+    settings = json.loads((base / "generation_config.json").read_text())
+    (base / "generation_config.json").write_text(json.dumps({**settings, "eos_token_id": [end_of_turn]}))
+    train = write_rows(tmp_path / "train.jsonl", [{"prompt": "the plot was", "completion": "good"}] * 8)
+    generate, stops = GenerationMixin.generate, []
+
+    def recorded(model, *args, generation_config=None, **kwargs):
+        stops.append((generation_config or model.generation_config).eos_token_id)
+        return generate(model, *args, generation_config=generation_config, **kwargs)
+
+    for name, flags in (("whole", []), ("adapter", ["--use_peft"]), ("merged", ["--use_peft", "--merge_lora"])):
+        out = tmp_path / name
+        run_in_process("train", train_args(base, train, train, out, "--max_length", "16", "--max_train_steps", "1",
+                                           *flags))  # fmt: skip
+        with monkeypatch.context() as patch:
+            patch.setattr(GenerationMixin, "generate", recorded)
+            run_model_card_snippet(out)
+        assert stops.pop() == [2, end_of_turn], name
+
+
 def test_a_merged_lora_causal_lm_keeps_the_pad_token_of_its_training(tmp_path, tiny_decoders):
     """The adapter folder of a causal LM holds no config, and the base's has no pad token (Llama's has none): the
     merged model's config takes the one training used, as the merged classifiers' do."""

@@ -184,6 +184,15 @@ class CausalLM(Task):
         return tokenizer
 
     # --- the data ---
+    def build_model(self, args, tokenizer, mixed_precision: str):
+        from src.generation import stop_tokens
+
+        model = super().build_model(args, tokenizer, mixed_precision)
+        # Saved with the model (generation_config.json): whatever generates with it (the model card's snippet, a
+        # pipeline) stops where training taught it to, at the EOS appended to every answer, and at its own.
+        model.generation_config.eos_token_id = stop_tokens(tokenizer, model.generation_config)
+        return model
+
     def features(self, dataset: Dataset, tokenizer, max_length: int, num_proc: int | None = None) -> Dataset:
         """input_ids and labels (-100 where nothing is to be learnt: prompts, user turns, padding)."""
         if self.format == TEXT:
@@ -284,15 +293,18 @@ class CausalLM(Task):
 
     # --- the model card ---
     def model_card(self, where: str, base_name: str, adapter: bool) -> dict:
-        load = (["from peft import AutoPeftModelForCausalLM", "from transformers import AutoTokenizer", "",
+        load = (["from peft import AutoPeftModelForCausalLM",
+                 "from transformers import AutoTokenizer, GenerationConfig", "",
                  f'model = AutoPeftModelForCausalLM.from_pretrained("{where}")'] if adapter else
                 ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
                  f'model = AutoModelForCausalLM.from_pretrained("{where}")'])  # fmt: skip
         chat = '[{"role": "user", "content": "Hello"}], add_generation_prompt=True, return_tensors="pt"'
         text = 'tokenizer("Hello", return_tensors="pt")'
         prompt = f"tokenizer.apply_chat_template({chat})" if self.format == CHAT else text
-        # Up to the EOS that training appended to every answer.
-        generate = "model.generate(**inputs, max_new_tokens=64, eos_token_id=tokenizer.eos_token_id)"
+        # Up to the tokens that end an answer, which the saved generation config lists (see build_model); an adapter
+        # loads its base's, so the folder's is passed.
+        settings = f', generation_config=GenerationConfig.from_pretrained("{where}")' if adapter else ""
+        generate = f"model.generate(**inputs, max_new_tokens=64{settings})"
         usage = [*load, f'tokenizer = AutoTokenizer.from_pretrained("{where}")', f"inputs = {prompt}",
                  f"print(tokenizer.decode({generate}[0]))"]  # fmt: skip
         return {"kind": self.describe(), "pipeline_tag": "text-generation", "labels": [], "usage": usage}
