@@ -310,6 +310,17 @@ def test_examples_with_nothing_to_learn_are_dropped_and_counted(tokenizer, caplo
     assert len(rows) == 1 and rows[0]["example_index"] == 1  # its data row: predictions.csv's index
 
 
+def test_validation_data_in_another_format_is_one_line(tiny_decoders, tmp_path):
+    """AlpacaEval's prompt/completion and messages files sit side by side: one of each is an easy mix-up."""
+    pairs = write_rows(tmp_path / "pairs.jsonl", [{"prompt": "the plot was", "completion": "good"}] * 4)
+    chats = write_rows(tmp_path / "chats.jsonl", [{"messages": MESSAGES}] * 4)
+    for train, dev, wanted in ((pairs, chats, "prompt-completion"), (chats, pairs, "chat")):
+        argv = train_args(tiny_decoders["llama"], train, dev, tmp_path / "out", "--chat_template_path", CHAT_TEMPLATE)
+        argv = argv if wanted == "chat" else argv[:-2]
+        with pytest.raises(UserError, match=f"the validation data: its columns .* are not {wanted} rows, which"):
+            run_in_process("train", argv)
+
+
 def test_validation_data_with_nothing_left_to_score_is_one_line(tiny_decoders, tmp_path):
     train = write_rows(tmp_path / "train.jsonl", [{"prompt": "the plot was", "completion": "good"}] * 8)
     dev = write_rows(tmp_path / "dev.jsonl", [{"prompt": "the acting " * 20, "completion": "bad"}] * 2)

@@ -195,6 +195,11 @@ class CausalLM(Task):
 
     def features(self, dataset: Dataset, tokenizer, max_length: int, num_proc: int | None = None) -> Dataset:
         """input_ids and labels (-100 where nothing is to be learnt: prompts, user turns, padding)."""
+        columns = dataset.column_names  # a validation file may be in another format than the training data's
+        if not {TEXT: self.text_column in columns, CHAT: _format_of(columns) == CHAT,
+                PROMPT_COMPLETION: "prompt" in columns}[self.format]:  # fmt: skip
+            raise UserError(f"its columns ({', '.join(columns)}) are not {self.format} rows, which this model learns "
+                            "from: give it the training data's format")  # fmt: skip
         if self.format == TEXT:
             return _text_blocks(dataset, self.text_column, tokenizer, max_length, num_proc)
         if self.format == CHAT:
