@@ -77,16 +77,20 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, flag="--m
     return tokenizer
 
 
+def positions(config) -> int | None:
+    """How many positions the model has (None if it does not say: relative positions)."""
+    text_config = config.get_text_config() if config is not None else None
+    return next(filter(None, (getattr(text_config, name, None) for name in ("max_position_embeddings", "n_positions"))),
+                None)  # fmt: skip
+
+
 def resolve_max_length(max_length: int | None, tokenizer, config=None, default: int = 128) -> int:
     """--max_length, checked against the model's positions; unset, 128 or the model's limit if less.
 
     The limit is the tokenizer's `model_max_length` or the model's position embeddings, whichever is smaller and
     known: many LLM tokenizers have no limit of their own.
     """
-    text_config = config.get_text_config() if config is not None else None
-    limits = [tokenizer.model_max_length] + [
-        getattr(text_config, name, None) for name in ("max_position_embeddings", "n_positions")
-    ]
+    limits = [tokenizer.model_max_length, positions(config)]
     limit = min((n for n in limits if isinstance(n, int) and 0 < n < NO_LIMIT), default=None)
     if max_length is None:
         return min(default, limit or default)
@@ -145,6 +149,9 @@ def load_config(args, fields: dict, tokenizer, decoder: bool = False):
         # Its embeddings and special tokens are the tokenizer's, whatever tokenizer the config came with.
         special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         config.update({**fields, "vocab_size": len(tokenizer), **special})
+        # The tokenizer's length limit was its own model's (MiniLM's 512): this model's positions are the limit now,
+        # for --max_length's default and check here and in evaluate.py, which reads it from the saved tokenizer.
+        tokenizer.model_max_length = positions(config) or tokenizer.model_max_length
     if decoder and getattr(config, "is_decoder", None) is False:
         logger.warning(f"{type(config).__name__} is an encoder: switched to a decoder (is_decoder=True, causal "
                        "attention), as a causal LM must not see the tokens it predicts")  # fmt: skip

@@ -336,10 +336,13 @@ def test_the_model_card_shows_how_to_generate_and_that_runs(tmp_path, tiny_decod
     printed = run_model_card_snippet(tmp_path / "out")  # the prompt ("Hello": <unk> to the tiny vocabulary) and more
     assert printed.startswith("<s> <unk>") and len(printed.split()) > 2, printed
     # A new Llama with a BERT tokenizer (as the docs build one offline): its saved tokenizer gives no token_type_ids,
-    # which generate() refuses for a model that has none.
+    # which generate() refuses for a model that has none. The tokenizer's length limit (64) was its BERT's: the new
+    # model's 256 positions replace it, here and in the saved tokenizer, which evaluate.py checks --max_length with.
     small = "hidden_size=32,intermediate_size=64,num_hidden_layers=1,num_attention_heads=2,num_key_value_heads=1"
-    new = ["--model_type", "llama", "--config_overrides", small, "--tokenizer_name", str(tiny_model)]
-    run_in_process("train", [*train_args(None, train, train, tmp_path / "new", "--max_length", "16")[2:], *new])
+    new = ["--model_type", "llama", "--config_overrides", f"{small},max_position_embeddings=256",
+           "--tokenizer_name", str(tiny_model)]  # fmt: skip
+    run_in_process("train", [*train_args(None, train, train, tmp_path / "new", "--max_length", "100")[2:], *new])
+    assert load_tokenizer(str(tmp_path / "new")).model_max_length == 256
     printed = run_model_card_snippet(tmp_path / "new")  # "Hello" is [UNK] to the tiny vocabulary too
     assert printed.startswith("[CLS] [UNK] [SEP]") and len(printed.split()) > 3, printed
 
