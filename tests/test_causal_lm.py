@@ -193,6 +193,8 @@ def test_the_format_is_found_from_the_columns():
     with pytest.raises(UserError, match="no label column found .* --label_column .* --task causal-lm"):
         detect_columns(scored.column_names)  # what the classifier reads its columns with
     assert CausalLM.from_data(options(), scored).format == TEXT  # --task causal-lm: the text, as asked
+    labelled = Dataset.from_list([{"text": "a", "label": 1}])  # as the docs say: any `text` with --task causal-lm
+    assert CausalLM.from_data(options(), labelled).format == TEXT
     with pytest.raises(UserError, match="the columns are sentence, label"):
         CausalLM.from_data(options(), Dataset.from_list([{"sentence": "a", "label": 1}]))
     # TRL's conversational prompt-completion: prompt and completion as turns, to be written as one chat instead.

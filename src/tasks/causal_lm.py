@@ -84,7 +84,7 @@ class CausalLM(Task):
 
     @staticmethod
     def recognises(train: Dataset, label_column: str | None = None) -> str | None:
-        fmt = _format_of(train.column_names, label_column)
+        fmt = _format_of(train.column_names)
         if fmt == TEXT and len(train.column_names) > 1:
             # `text` beside other columns is as likely a classifier's data whose label column has another name
             # (`text,score`): the classifier's error asks for --label_column, or --task causal-lm for this.
@@ -315,12 +315,12 @@ class CausalLM(Task):
         return {"kind": self.describe(), "pipeline_tag": "text-generation", "labels": [], "usage": usage}
 
 
-def _format_of(columns: list[str], label_column: str | None = None) -> str | None:
+def _format_of(columns: list[str]) -> str | None:
     if "messages" in columns or "conversations" in columns:
         return CHAT
     if "prompt" in columns and "completion" in columns:
         return PROMPT_COMPLETION
-    if "text" in columns and not {"label", "labels", label_column} & set(columns):
+    if "text" in columns:  # beside a label column too, for --task causal-lm (--task auto asks for it: recognises)
         return TEXT
     return None
 
