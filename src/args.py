@@ -96,6 +96,8 @@ UPSTREAM_FLAGS = {
     "--compute_environment": "accelerate launch --config_file FILE train.py (an accelerate config, not train.py's)",
     "--distributed_type": "accelerate launch --config_file FILE train.py (an accelerate config, not train.py's)",
 }
+# Trainer's on/off flags whose hint above is for `true`; turned off (`--bf16 False`, `bf16: false`) they mean this.
+UPSTREAM_FLAGS_OFF = {"--bf16": "--mixed_precision no", "--fp16": "--mixed_precision no"}
 # Closer than this to one of our flags is a typo of it; further, another script's flag that a hint would mislead.
 TYPO_CUTOFF = 0.8
 
@@ -117,12 +119,16 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         if message.startswith("unrecognized arguments: "):  # a flag of Trainer's or of another script, a typo
             known = [option for action in self._actions for option in action.option_strings]
-            flags = [word.split("=")[0] for word in message.split()[2:] if word.startswith("--")]
+            words = message.split()[2:]
+            flags = [word.split("=")[0] for word in words if word.startswith("--")]
+            # The word after each flag, or after its `=`: Trainer's switches turned off (`--bf16 False`) have hints too
+            values = {word.split("=")[0]: (word.partition("=")[2] or after).lower()
+                      for word, after in zip(words, [*words[1:], ""]) if word.startswith("--")}  # fmt: skip
             hints, owners = [], [f"{flag} is a flag of --task {self.other_tasks_flags[flag]}" for flag in flags
                                  if flag in self.other_tasks_flags]  # fmt: skip
             for flag in (flag for flag in flags if flag not in self.other_tasks_flags):
                 close = difflib.get_close_matches(flag, known, 1, TYPO_CUTOFF)
-                upstream = UPSTREAM_FLAGS.get(flag, "")
+                upstream = _upstream_hint(flag, values[flag])
                 if upstream.startswith("--") and upstream.split()[0] not in known:
                     upstream = ""  # the flag it names is not this script's (evaluate.py has no --learning_rate)
                 if hint := upstream or (close and close[0]):
@@ -133,6 +139,12 @@ class ArgumentParser(argparse.ArgumentParser):
                 message += f"; the model's task, which may add flags, did not load ({self.unloaded_task})"
         # argparse's default prints the whole usage block first; with 40 flags that buries the message.
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _upstream_hint(flag: str, value) -> str:
+    """What to write for Trainer's or TRL's `flag` given `value` (its word on the command line, or its YAML value)."""
+    off = value is False or str(value).lower() in {word for word, on in YES_NO.items() if not on}
+    return (off and UPSTREAM_FLAGS_OFF.get(flag)) or UPSTREAM_FLAGS.get(flag, "")
 
 
 def _number(kind, valid, wanted):
@@ -751,7 +763,7 @@ def _config_words(parser: ArgumentParser, path: Path, left_out: tuple[str, ...] 
                if option.startswith("--") and not option.startswith("--no-")}  # fmt: skip
     config = _read_config(parser, path)
     if unknown := [str(key) for key in config if key not in actions or key == "help"]:  # all at once, not one a run
-        hints = "; ".join(_key_hint(key, actions, parser.other_tasks_flags) for key in unknown)
+        hints = "; ".join(_key_hint(key, config.get(key), actions, parser.other_tasks_flags) for key in unknown)
         if parser.prog == "evaluate.py" and set(unknown) & {o[2:] for a in build_train_parser()._actions
                                                             for o in a.option_strings}:  # fmt: skip
             hints += "; evaluate.py reads the training run's settings from the model folder's args.json"
@@ -789,13 +801,13 @@ def _config_words(parser: ArgumentParser, path: Path, left_out: tuple[str, ...] 
     return words
 
 
-def _key_hint(key: str, actions: dict, other_tasks_flags: dict) -> str:
+def _key_hint(key: str, value, actions: dict, other_tasks_flags: dict) -> str:
     """An unknown config key, with what to write instead: a flag's key for Trainer's (`bf16: true` -> `mixed_precision:
     bf16`), the key it resembles for a typo; or the listed task whose flag it is."""
     if owner := other_tasks_flags.get(f"--{key}"):
         return f"{key!r} (a flag of --task {owner}, not of this one: drop it, or choose that task)"
     close = difflib.get_close_matches(key.lower(), actions, 1, TYPO_CUTOFF)
-    hint = UPSTREAM_FLAGS.get(f"--{key}") or (close and close[0])
+    hint = _upstream_hint(f"--{key}", value) or (close and close[0])
     if key.startswith("no-") and isinstance(actions.get(key[3:]), Switch):  # a switch's --no- form
         hint = f"{key[3:]}: false"
     if hint and hint.startswith("--"):  # a flag and its value (`--mixed_precision bf16`), written as a key

@@ -97,6 +97,8 @@ def test_defaults_are_sensible():
         (["--eval_accumulation_steps", "4"], "--eval_accumulation_steps -> nothing (evaluation gathers each batch"),
         (["--dataset_text_field=text"], "--dataset_text_field -> --text_column"),
         (["--padding_free"], "--padding_free -> --packing"),
+        (["--bf16", "False"], "did you mean --bf16 -> --mixed_precision no?"),  # Trainer's spelling of no bf16
+        (["--fp16=false"], "did you mean --fp16 -> --mixed_precision no?"),
         (["--packing_strategy", "bfd"], "--packing_strategy -> --packing (best-fit decreasing, TRL's bfd"),
         (["--logging_strategy", "steps"], "--logging_strategy -> --logging_steps N"),
         (["--cache_dir", "c"], "--cache_dir -> HF_HOME=DIR in the environment"),
@@ -154,6 +156,10 @@ def test_yaml_config_is_read_and_the_command_line_wins(tmp_path):
         ),
         # Trainer's flags whose hint is a flag with a note, and a --no- form of a flag that is not on/off.
         ("warmup_steps: 3\n", "'warmup_steps' (did you mean num_warmup_steps (steps) or warmup_ratio?)"),
+        (
+            "bf16: false\nfp16: False\n",
+            "'bf16' (did you mean mixed_precision: no?); 'fp16' (did you mean mixed_precisi",
+        ),
         ("no-seed: 1\n", "unknown key(s) 'no-seed' (see --help)"),
         ("lora_target_modules: {q_proj: 1}\n", "lora_target_modules must be a single value"),
         ("lr_scheduler_kwargs: {power: 2}\n", "write lr_scheduler_kwargs as JSON in quotes, as on the command line"),
