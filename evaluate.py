@@ -30,10 +30,10 @@ from src.checkpoint import RESULTS_FILE, STATE_FILE, check_writable
 from src.data import check_column_flags, load_file, load_hub_dataset, pick_split
 from src.errors import UserError, errors_reach_every_rank, main_process_first, run_cli
 from src.evaluation import evaluate, with_top_level_metrics
-from src.generation import generate
+from src.generation import generate, prompt_room
 from src.glue import glue_labels
 from src.loaders import build_eval_dataloader, collating_workers, padding_options
-from src.model import prepare_for_evaluation, resolve_max_length
+from src.model import positions, prepare_for_evaluation, resolve_max_length
 from src.record import DEFAULT_TASK, RECORD_FILE, read_record
 from src.reporting import metrics_line, setup_logging, write_json
 from src.runtime import accelerate_state_of_this_run, collection_resumes, make_accelerator, refuse_fsdp_without_gpus
@@ -55,6 +55,11 @@ def parse_eval_args(argv=None):
     if bool(args.validation_file) == bool(args.dataset_name):
         trained_on = "" if args.validation_file else _data_of_the_run(args)
         parser.error(f"give exactly one of --validation_file or --dataset_name{trained_on}")
+    generation = [f"--{name}" for name in ("generation_max_length", "generation_num_beams")
+                  if getattr(args, name) != parser.get_default(name)]  # fmt: skip
+    if generation and not args.predict_with_generate:  # they would be ignored without a word
+        parser.error(f"{', '.join(generation)} shape(s) the answers of --predict_with_generate: add it, or drop "
+                     f"{'it' if len(generation) == 1 else 'them'}")  # fmt: skip
     model = Path(args.model_name_or_path)
     if (model / STATE_FILE).is_file():  # accelerate's state, without the config that from_pretrained reads
         parser.error(f"--model_name_or_path {model} is a checkpoint, for train.py --resume_from_checkpoint; evaluate "
@@ -139,6 +144,8 @@ def evaluate_model(args) -> dict:
                             "answer: give a causal LM prompt/completion or chat rows, or drop the flag")  # fmt: skip
     with errors_reach_every_rank(accelerator, args.data_preparation_timeout):  # every rank at once, as in train.py
         model = task.load_model(args.model_name_or_path, args, tokenizer, accelerator.mixed_precision)
+        if prompts is not None:  # said now, not after the scoring
+            prompt_room(positions(getattr(model, "config", None)), args.generation_max_length)
         # The training run's --max_length unless told otherwise: texts cut elsewhere get other predictions.
         max_length = resolve_max_length(args.max_length or record.get("max_length"), tokenizer,
                                         getattr(model, "config", None), default=task.default_max_length)  # fmt: skip

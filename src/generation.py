@@ -7,6 +7,7 @@ from datasets import Dataset
 
 from src.errors import UserError
 from src.loaders import INDEX_COLUMN, LENGTH_COLUMN, build_eval_dataloader
+from src.model import positions
 
 logger = get_logger(__name__)
 
@@ -28,7 +29,7 @@ def generate(model, prompts: list[list[int]], tokenizer, accelerator, batch_size
     weights from all ranks, so a rank that stopped early would leave the others waiting forever.
     """
     model = accelerator.unwrap_model(model)
-    prompts = _fit(prompts, getattr(model.config, "max_position_embeddings", None), max_new_tokens)
+    prompts = _fit(prompts, positions(model.config), max_new_tokens)
     lengths = [len(prompt) for prompt in prompts]
     dataset = Dataset.from_dict({"input_ids": prompts, "attention_mask": [[1] * n for n in lengths],
                                  INDEX_COLUMN: list(range(len(prompts))), LENGTH_COLUMN: lengths})  # fmt: skip
@@ -66,15 +67,20 @@ def generate(model, prompts: list[list[int]], tokenizer, accelerator, batch_size
     return [texts[i] for i in range(len(prompts))]
 
 
+def prompt_room(positions: int | None, max_new_tokens: int) -> int | None:
+    """How many tokens of a prompt the model's `positions` hold beside `max_new_tokens` (None: no limit known)."""
+    if positions is not None and positions <= max_new_tokens:
+        raise UserError(f"--generation_max_length {max_new_tokens} leaves no room for a prompt in the model's "
+                        f"{positions} positions: lower it")  # fmt: skip
+    return positions and positions - max_new_tokens
+
+
 def _fit(prompts: list[list[int]], positions: int | None, max_new_tokens: int) -> list[list[int]]:
     """Prompts cut to what the model's positions hold beside the answer, keeping their ends (the question, the
     generation prompt): past its positions a model of learnt positions (GPT-2's) fails with an index error."""
-    if positions is None:
+    room = prompt_room(positions, max_new_tokens)
+    if room is None:
         return prompts
-    room = positions - max_new_tokens
-    if room < 1:
-        raise UserError(f"--generation_max_length {max_new_tokens} leaves no room for a prompt in the model's "
-                        f"{positions} positions: lower it")  # fmt: skip
     if cut := sum(len(prompt) > room for prompt in prompts):
         logger.warning(f"{cut} prompt(s) longer than the {room} tokens that the model's {positions} positions hold "
                        f"beside --generation_max_length {max_new_tokens} keep their last {room} tokens")  # fmt: skip

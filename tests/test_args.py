@@ -259,6 +259,11 @@ def test_evaluate_needs_a_model_from_the_command_line_or_its_config(tmp_path, ca
     with pytest.raises(SystemExit):
         parse_eval_args(["--model_name_or_path", str(run)])
     assert "evaluated in training on 10% of --train_file all.csv, held out at random" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # ignored without it
+        parse_eval_args(["--model_name_or_path", str(run), "--validation_file", "d.csv", "--generation_num_beams", "2"])
+    assert "--generation_num_beams shape(s) the answers of --predict_with_generate: add it, or drop it" in (
+        capsys.readouterr().err
+    )
     config = tmp_path / "eval.yaml"
     config.write_text(f"model_name_or_path: {tmp_path}\nvalidation_file: dev.csv\n")
     args = parse_eval_args(["--config", str(config)])

@@ -160,7 +160,8 @@ def test_prompts_without_answers_are_answered_and_rows_that_cannot_be_scored_too
     assert [row["generation"] for row in short] == [row["generation"] for row in full]
     # Each scored row keeps its own scores beside its answer: those of its data row, scored without generating.
     scored = evaluate_args(trained_lm, tmp_path / "scored", "--max_length", "12")
-    run_in_process("evaluate", [flag for flag in scored if flag != "--predict_with_generate"])
+    generating = scored.index("--predict_with_generate")
+    run_in_process("evaluate", scored[:generating] + scored[generating + 3 :])  # and its --generation_max_length N
     assert {row["index"]: (row["tokens"], row["loss"]) for row in short if row["loss"]} == {
         row["index"]: (row["tokens"], row["loss"]) for row in predictions(tmp_path / "scored")}  # fmt: skip
 
@@ -201,6 +202,16 @@ def test_a_prompt_longer_than_the_models_positions_keeps_its_end():
     assert _fit([[1] * 9], None, 3) == [[1] * 9]  # no limit the config knows
     with pytest.raises(UserError, match="--generation_max_length 6 leaves no room for a prompt"):
         _fit([[1]], 6, 6)
+
+
+def test_a_generation_length_without_room_for_a_prompt_is_refused_before_the_scoring(trained_lm, tmp_path, monkeypatch):
+    import src.evaluation
+
+    monkeypatch.setattr(src.evaluation, "evaluate", lambda *args: pytest.fail("scored before the refusal"))
+    argv = evaluate_args(trained_lm, tmp_path)
+    argv[argv.index("--generation_max_length") + 1] = "64"  # the tiny Llama's positions
+    with pytest.raises(UserError, match="--generation_max_length 64 leaves no room for a prompt in the model's 64 p"):
+        run_in_process("evaluate", argv)
 
 
 def test_answers_end_at_the_tokenizers_eos_and_at_the_models_own(trained_lm):
