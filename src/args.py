@@ -197,9 +197,10 @@ def _json_object(text) -> dict:
     return value
 
 
-def _path(text) -> Path:
-    """A path flag: `~` is the home folder also where no shell expands it (`--output_dir=~/runs`, a --config file)."""
-    return Path(text).expanduser()
+def _path(text) -> Path | None:
+    """A path flag: `~` is the home folder also where no shell expands it (`--output_dir=~/runs`, a --config file);
+    empty, none (it drops a --config file's: `--train_file ''`), as an empty name does."""
+    return Path(text).expanduser() if text else None
 
 
 def local_or_hub(text) -> str:
@@ -933,6 +934,8 @@ def _packaged_model(parser) -> str:
 def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Checks that need more than one flag (single values are checked by their types above), and the defaults
     that depend on other flags."""
+    if args.output_dir is None:  # `--output_dir ''`
+        parser.error("--output_dir is empty: name the folder that the run writes to")
     new_model = args.config_name or args.model_type
     if args.config_name and args.model_type:
         parser.error("--config_name and --model_type both describe the new model: give one")
@@ -965,7 +968,8 @@ def validate_train_args(parser: ArgumentParser, args: argparse.Namespace) -> arg
     if args.eval_steps is None and demo:
         args.eval_steps = 10
     if args.dataset_name and args.train_file:
-        parser.error("give either --dataset_name or --train_file, not both")
+        dropped = " (an empty value drops a --config file's: --train_file '')" if args.config else ""
+        parser.error(f"give either --dataset_name or --train_file, not both{dropped}")
     if args.validation_file and not args.train_file:  # --dataset_name's validation is its own split
         parser.error("--validation_file goes with --train_file; --dataset_name's validation split is its own (or "
                      "--validation_split_percentage of its rows)")  # fmt: skip

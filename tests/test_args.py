@@ -335,6 +335,20 @@ def test_yaml_takes_trls_lists_of_modules_and_quoted_true_and_false(tmp_path):
     assert parse_train_args(["--config", str(config)]).mixed_precision == "no"
 
 
+def test_an_empty_path_or_name_on_the_command_line_drops_the_config_files(tmp_path, capsys):
+    """examples/sft_chat.yaml names a --train_file: a run of the same settings on a dataset from the Hub drops it."""
+    config = tmp_path / "run.yaml"
+    config.write_text("train_file: train.jsonl\nvalidation_file: dev.jsonl\ndataset_name: a/b\n")
+    args = parse_train_args(["--config", str(config), "--train_file", "", "--validation_file="])
+    assert (args.train_file, args.validation_file, args.dataset_name) == (None, None, "a/b")
+    with pytest.raises(SystemExit):
+        parse_train_args(["--config", str(config)])
+    assert "not both (an empty value drops a --config file's: --train_file '')" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_train_args(["--output_dir", ""])
+    assert "--output_dir is empty: name the folder that the run writes to" in capsys.readouterr().err
+
+
 def test_no_use_peft_on_the_command_line_drops_the_config_files_lora_settings(tmp_path, capsys):
     """A file written for LoRA, run once as a full fine-tune to compare: its LoRA settings go with its --use_peft.
     Set without --use_peft in the file itself, or on the command line, they are still refused."""
