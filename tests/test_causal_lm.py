@@ -312,6 +312,13 @@ def test_examples_with_nothing_to_learn_are_dropped_and_counted(tokenizer, caplo
     assert len(rows) == 1 and rows[0]["example_index"] == 1  # its data row: predictions.csv's index
 
 
+def test_a_chat_template_path_that_is_no_file_says_what_it_takes(tmp_path):
+    """TRL's flag also takes a tokenizer's folder or Hub name; here it is the template's file."""
+    chats = Dataset.from_list([{"messages": MESSAGES}])
+    with pytest.raises(UserError, match="Is a directory; it takes a Jinja template file .*chat_template.jinja"):
+        CausalLM.from_data(options(chat_template_path=str(tmp_path)), chats)
+
+
 def test_validation_data_in_another_format_is_one_line(tiny_decoders, tmp_path):
     """AlpacaEval's prompt/completion and messages files sit side by side: one of each is an easy mix-up."""
     pairs = write_rows(tmp_path / "pairs.jsonl", [{"prompt": "the plot was", "completion": "good"}] * 4)

@@ -123,7 +123,8 @@ class CausalLM(Task):
             try:
                 template = Path(args.chat_template_path).read_text()
             except OSError as err:
-                raise UserError(f"--chat_template_path {args.chat_template_path}: {err.strerror}") from err
+                raise UserError(f"--chat_template_path {args.chat_template_path}: {err.strerror}; it takes a Jinja "
+                                "template file (a tokenizer's is its chat_template.jinja)") from err  # fmt: skip
         return cls(fmt, args.completion_only_loss, args.assistant_only_loss, args.packing,
                    text_column=args.text_column or "text", chat_template=template)  # fmt: skip
 
