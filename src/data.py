@@ -156,6 +156,11 @@ def load_raw_splits(args) -> DatasetDict:
                 f"none to train on: give {instead}more rows, or a lower --validation_split_percentage"
             ) from err
         splits = DatasetDict(train=held_out["train"], validation=held_out["test"])
+        others = [name for name in (hub if args.dataset_name else []) if name != "train"]  # a 'test' split, say
+        logger.info(
+            f"No validation data: {percent}% of the training rows ({len(held_out['test'])}) held out for it"
+            + (f"; the dataset's {', '.join(others)} is left for evaluate.py --split" if others else "")
+        )
     for name in splits:
         if name.startswith("validation") and args.max_eval_samples:
             splits[name] = splits[name].take(args.max_eval_samples)

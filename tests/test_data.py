@@ -94,6 +94,21 @@ def test_the_validation_split_is_held_out_of_the_training_rows(tmp_path):
     assert split("--seed", "8") != (train, validation)
 
 
+def test_a_datasets_test_split_is_not_taken_for_validation_and_the_log_says_so(tmp_path, caplog):
+    """As in the transformers examples, 'validation' or rows held out of 'train'; TRL would take 'test'."""
+    for name, count in (("train", 30), ("test", 7)):
+        (tmp_path / "data").mkdir(exist_ok=True)
+        write_rows(tmp_path / "data" / f"{name}-00000-of-00001.parquet",
+                   [{"sentence": f"row {i}", "label": i % 2} for i in range(count)])  # fmt: skip
+    PartialState(cpu=True)  # accelerate's logger, which says it on the main process only
+    with caplog.at_level("INFO"):
+        splits = load_raw_splits(parse_train_args(["--dataset_name", str(tmp_path)]))
+    assert (len(splits["train"]), len(splits["validation"])) == (27, 3)
+    assert "10% of the training rows (3) held out for it; the dataset's test is left for evaluate.py --split" in (
+        caplog.text
+    )
+
+
 @pytest.mark.parametrize(
     "columns,expected",
     [
