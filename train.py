@@ -35,7 +35,6 @@ from tqdm.auto import tqdm
 from src.args import parse_train_args, refuse_other_tasks_flags, task_flags
 from src.batch_size import fit_batch_sizes
 from src.checkpoint import (
-    RESULTS_FILE,
     check_output_dir,
     check_writable,
     holding_output_dir,
@@ -329,13 +328,14 @@ def start_or_resume(args, accelerator, task, resume_path, record: dict, batches_
                         "from and goes on from afresh")  # fmt: skip
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        if args.overwrite_output_dir:  # every flag's value that may be a path is kept, should it be one in there
-            remove_run_files(
-                args.output_dir, keep=[value for value in vars(args).values() if isinstance(value, (str, Path))]
-            )
-        elif resume_path:  # a finished run resumed for longer: done, and described by its card, only once it ends
-            for name in (RESULTS_FILE, "README.md"):
-                (args.output_dir / name).unlink(missing_ok=True)
+        if args.overwrite_output_dir or resume_path:
+            # Overwritten, the old run's files go. Resumed, those that its end wrote (model, card, results) go too,
+            # and evaluate.py's: the run writes its own as it ends, and an old one left beside them would be read
+            # with them (a merged model's config.json beside a new adapter). Every flag's value that may be a path
+            # is kept, should it be one in there.
+            continued = [args.output_dir / "metrics.jsonl"] if resume_path else []  # trimmed to the checkpoint below
+            paths = [value for value in vars(args).values() if isinstance(value, (str, Path))]
+            remove_run_files(args.output_dir, keep=[*paths, *continued])
         write_json(args.output_dir / "args.json", record)
         # A resumed run drops what the interrupted one logged after its checkpoint; a new run starts afresh.
         keep_records_up_to(args.output_dir / "metrics.jsonl", state.global_step)

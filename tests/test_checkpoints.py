@@ -204,10 +204,19 @@ def test_diverging_loss_stops_with_the_step(tiny_model, data, tmp_path):
 def test_resuming_a_finished_run_only_evaluates(tiny_model, data, tmp_path):
     out = tmp_path / "out"
     first = run_main(*train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--checkpointing_steps", "epoch"))
+    # What the end of the run and evaluate.py wrote goes as the resume starts (the run writes its own as it ends): left,
+    # an adapter_config.json from a --use_peft end, resumed with --merge_lora, made the merged model read as that
+    # adapter, and evaluate.py's files would describe a model that is gone.
+    stale = ["adapter_config.json", "eval_results.json", "predictions.csv", "confusion_matrix.png"]
+    for name in stale:
+        (out / name).write_text("{}")
+    logged = logged_steps(out)
     again = run_main(
         *train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--resume_from_checkpoint", "latest")
     )
     assert again["global_step"] == first["global_step"] and again["eval_accuracy"] == first["eval_accuracy"]
+    assert not any((out / name).exists() for name in stale) and (out / "model.safetensors").is_file()
+    assert logged_steps(out)[: len(logged)] == logged, "the run's records, which the resume continues, are kept"
     # Resumed for fewer steps than its checkpoint's, it would end at once with the checkpoint as its final model.
     shorter = ["--max_train_steps", str(first["global_step"] - 1), "--resume_from_checkpoint", "latest"]
     with pytest.raises(train.UserError, match=f"at step {first['global_step']}, past this run's"):
