@@ -283,6 +283,9 @@ def test_lora_output_checkpoints_resume_and_evaluation(tiny_decoders, data, tmp_
         return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in records if r["step"] > after]
 
     assert losses(resumed) == losses(out, after=5)
+    # The adapter's folder is no whole model to start another run from: said, not transformers' missing weights.
+    with pytest.raises(UserError, match=f"--model_name_or_path {out} holds a LoRA adapter, not a whole model: start"):
+        run_train(*train_args(out, *data, tmp_path / "next"))
 
 
 def test_merged_lora_output_is_a_plain_model(tiny_decoders, data, tmp_path):
