@@ -48,7 +48,9 @@ def write_model_card(output_dir: Path, settings: dict, results: dict, task):
                if k.startswith("eval_") and "samples" not in k}  # fmt: skip
     if metrics:
         examples = f" ({results['eval_samples']} examples)" if "eval_samples" in results else ""
-        intro = f"On the validation data{examples}, at the end of training:"
+        best = settings.get("load_best_model_at_end") and settings.get("metric_for_best_model")
+        when = f"of the best model by {best}" if best else "at the end of training"
+        intro = f"On the validation data{examples}, {when}:"
         lines += _table("Results", ("metric", "value"), metrics.items(), intro)
     lines += _table("Training", ("setting", "value"), _hyperparameters(settings, results))
     lines += ["Every flag of the run is in `args.json`; the curves are in `training_curves.png`.", ""]

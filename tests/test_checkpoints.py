@@ -51,6 +51,7 @@ def test_rotation_keeps_the_newest_and_the_best(tiny_model, data, tmp_path, limi
     final = load_file(out / "model.safetensors")
     assert all((kept[k] == final[k]).all() for k in final), "the final model is the best one"
     assert json.loads((out / "all_results.json").read_text())["eval_loss"] == best["eval_loss"]
+    assert "examples), of the best model by loss:" in (out / "README.md").read_text(), "the card says which results"
 
 
 def test_the_refusal_to_train_over_a_run_offers_a_resume_only_where_a_checkpoint_is(tmp_path):
