@@ -21,8 +21,12 @@ def write_model_card(output_dir: Path, settings: dict, results: dict, task):
     base_name = base or settings.get("model_name_or_path")  # a local folder we cannot name is shown as its path
     data = _describe_data(settings)
     adapter = (output_dir / "adapter_config.json").is_file()  # a LoRA/PEFT run saved its adapter only
-    where = settings.get("hub_model_id") if settings.get("push_to_hub") else str(output_dir)
-    card = task.model_card(where, base_name, adapter)
+    # The code loads the model from the Hub once pushed, else from this folder by its absolute path (a relative one
+    # would mean something else, or a Hub name, from another folder); an adapter's base likewise, from where this
+    # run loaded it (a local folder runs offline).
+    pushed = settings.get("push_to_hub")
+    where = settings.get("hub_model_id") if pushed else str(output_dir.resolve())
+    card = task.model_card(where, base_name if pushed else settings.get("model_name_or_path") or base_name, adapter)
     if card.get("new_model"):  # the task's own model, built with random weights: base_name gave its tokenizer only
         base = None
 

@@ -245,6 +245,17 @@ def test_the_card_of_the_packaged_model_names_it_by_its_hub_id(tmp_path):
     card = (tmp_path / "README.md").read_text()
     assert "base_model: sentence-transformers/all-MiniLM-L6-v2" in card
     assert "Fine-tuned from `sentence-transformers/all-MiniLM-L6-v2`" in card and "site-packages" not in card
+    # An adapter's code loads the base from where the run did, offline too, and this folder by its absolute path
+    # (run from elsewhere, a relative one would be a Hub name); pushed, both by their Hub ids.
+    (tmp_path / "adapter_config.json").write_text("{}")
+    for pushed, base, where in ((False, default_model_path(), tmp_path.resolve()),
+                                (True, "sentence-transformers/all-MiniLM-L6-v2", "me/tuned")):  # fmt: skip
+        settings = {"model_name_or_path": default_model_path(), "push_to_hub": pushed, "hub_model_id": "me/tuned"}
+        write_model_card(tmp_path, settings, {}, BINARY)
+        card = (tmp_path / "README.md").read_text()
+        assert (
+            f'from_pretrained("{base}", config=config' in card and f'PeftModel.from_pretrained(base, "{where}")' in card
+        )
 
 
 def test_a_task_that_gives_no_usage_gets_the_evaluate_py_command(tmp_path):
