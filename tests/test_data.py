@@ -81,6 +81,7 @@ def test_the_validation_split_is_held_out_of_the_training_rows(tmp_path):
     two are disjoint and together the file. The same seed holds out the same rows, another seed others."""
     rows = [{"sentence": f"row {i}", "label": i % 2} for i in range(50)]
     data = write_rows(tmp_path / "all.jsonl", rows)
+    PartialState(cpu=True)  # accelerate's logger, which says how many rows are held out
 
     def split(*flags):
         args = parse_train_args(["--train_file", str(data), "--validation_split_percentage", "20", *flags])
