@@ -24,6 +24,8 @@ from src.tasks import TASKS, task_class
 
 SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
 PRECISIONS = ["no", "fp16", "bf16"]
+# Flags that another one wins over when both are given.
+WINS_OVER = {"num_train_epochs": "max_train_steps", "warmup_ratio": "num_warmup_steps"}
 LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")  # what only --use_peft reads
 # "all": every installed tracker that accelerate supports, as in transformers' examples.
 TRACKERS = ["tensorboard", "wandb", "mlflow", "comet_ml", "clearml", "all", "none"]
@@ -848,7 +850,13 @@ def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argpars
     peft.add_argument("--use_peft", action=Switch, default=None)
     peft_off = peft.parse_known_args(command_line)[0].use_peft is False
     left_out = (*LORA_SETTINGS, "merge_lora") if peft_off else ()
-    return parser.parse_args(_config_words(parser, first.config, left_out) + command_line)
+    words = _config_words(parser, first.config, left_out)
+    given = {word[2:].split("=")[0] for word in command_line if word.startswith("--")}
+    for flag, winner in WINS_OVER.items():  # the command line's flag would lose to the file's, without a word
+        if flag in given and winner not in given and f"--{winner}" in words:
+            parser.error(f"--{flag} is overridden by --config {first.config}'s {winner}: drop {winner} from the file, "
+                         f"or give --{winner} instead")  # fmt: skip
+    return parser.parse_args(words + command_line)
 
 
 def parse_train_args(argv: list[str] | None = None) -> Flags:

@@ -349,6 +349,21 @@ def test_an_empty_path_or_name_on_the_command_line_drops_the_config_files(tmp_pa
     assert "--output_dir is empty: name the folder that the run writes to" in capsys.readouterr().err
 
 
+def test_a_flag_that_the_config_files_other_flag_overrides_is_refused(tmp_path, capsys):
+    """--max_train_steps wins over the epochs, --num_warmup_steps over the ratio: from the file, over the command line's
+    flag, which the docs say wins."""
+    config = tmp_path / "run.yaml"
+    config.write_text("max_train_steps: 6\nnum_warmup_steps: 5\n")
+    for argv, words in ((["--num_train_epochs", "1"], "--num_train_epochs is overridden by --config "),
+                        (["--warmup_ratio=0"], "--warmup_ratio is overridden by --config ")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_train_args(["--config", str(config), *argv])
+        winner = {"--num_train_epochs": "max_train_steps", "--warmup_ratio": "num_warmup_steps"}[words.split()[0]]
+        assert f"{words}{config}'s {winner}: drop {winner} from the file, or give --{winner}" in capsys.readouterr().err
+    args = parse_train_args(["--config", str(config), "--num_train_epochs", "1", "--max_train_steps", "2"])
+    assert (args.max_train_steps, args.num_warmup_steps) == (2, 5)
+
+
 def test_no_use_peft_on_the_command_line_drops_the_config_files_lora_settings(tmp_path, capsys):
     """A file written for LoRA, run once as a full fine-tune to compare: its LoRA settings go with its --use_peft.
     Set without --use_peft in the file itself, or on the command line, they are still refused."""
