@@ -386,6 +386,28 @@ def test_the_saved_model_stops_at_the_eos_it_learnt_and_at_its_own(tmp_path, tin
         assert stops.pop() == [2, end_of_turn], name
 
 
+def test_the_text_model_cards_prompt_goes_on_without_the_eos_that_ends_a_text(tmp_path, tiny_model, monkeypatch):
+    """A BERT tokenizer (as the docs build a model offline) ends every text with [SEP], its EOS: the card's prompt,
+    a text to continue, must not end with it, or the model starts a new text."""
+    from transformers import AutoTokenizer, GenerationMixin
+
+    text = tmp_path / "train.txt"
+    text.write_text("the plot was good\n" * 8)
+    small = "hidden_size=32,intermediate_size=64,num_hidden_layers=1,num_attention_heads=2,num_key_value_heads=1"
+    new = ["--model_type", "llama", "--config_overrides", small, "--tokenizer_name", str(tiny_model)]
+    run_in_process("train", [*train_args(None, text, text, tmp_path / "out", "--max_length", "16")[2:], *new])
+    generate, prompts = GenerationMixin.generate, []
+
+    def recorded(model, *args, **kwargs):
+        prompts.append(kwargs["input_ids"][0].tolist())
+        return generate(model, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", recorded)
+    run_model_card_snippet(tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert prompts == [tokenizer("Hello")["input_ids"][:-1]] and tokenizer.eos_token == "[SEP]"
+
+
 def test_a_merged_lora_causal_lm_keeps_the_pad_token_of_its_training(tmp_path, tiny_decoders):
     """The adapter folder of a causal LM holds no config, and the base's has no pad token (Llama's has none): the
     merged model's config takes the one training used, as the merged classifiers' do."""

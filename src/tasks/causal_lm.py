@@ -311,8 +311,11 @@ class CausalLM(Task):
         # loads its base's, so the folder's is passed.
         settings = f', generation_config=GenerationConfig.from_pretrained("{where}")' if adapter else ""
         generate = f"model.generate(**inputs, max_new_tokens=64{settings})"
+        # A tokenizer that ends every text with EOS (BERT's [SEP]) ends the prompt too: a text to go on drops it.
+        go_on = ['if inputs["input_ids"][0, -1] == tokenizer.eos_token_id:  # a text to go on, not an ended one',
+                 "    inputs = {name: values[:, :-1] for name, values in inputs.items()}"]  # fmt: skip
         usage = [*load, f'tokenizer = AutoTokenizer.from_pretrained("{where}")', f"inputs = {prompt}",
-                 f"print(tokenizer.decode({generate}[0]))"]  # fmt: skip
+                 *(go_on if self.format == TEXT else []), f"print(tokenizer.decode({generate}[0]))"]  # fmt: skip
         return {"kind": self.describe(), "pipeline_tag": "text-generation", "labels": [], "usage": usage}
 
 
