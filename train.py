@@ -44,6 +44,7 @@ from src.checkpoint import (
     read_checkpoint_args,
     readable_as_its_other_files,
     remove_checkpoints,
+    remove_end_of_run_files,
     remove_run_files,
     resolve_checkpoint,
     save_checkpoint,
@@ -328,14 +329,12 @@ def start_or_resume(args, accelerator, task, resume_path, record: dict, batches_
                         "from and goes on from afresh")  # fmt: skip
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        if args.overwrite_output_dir or resume_path:
-            # Overwritten, the old run's files go. Resumed, those that its end wrote (model, card, results) go too,
-            # and evaluate.py's: the run writes its own as it ends, and an old one left beside them would be read
-            # with them (a merged model's config.json beside a new adapter). Every flag's value that may be a path
-            # is kept, should it be one in there.
-            continued = [args.output_dir / "metrics.jsonl"] if resume_path else []  # trimmed to the checkpoint below
-            paths = [value for value in vars(args).values() if isinstance(value, (str, Path))]
-            remove_run_files(args.output_dir, keep=[*paths, *continued])
+        if args.overwrite_output_dir:  # every flag's value that may be a path is kept, should it be one in there
+            remove_run_files(
+                args.output_dir, keep=[value for value in vars(args).values() if isinstance(value, (str, Path))]
+            )
+        elif resume_path:  # done, and described by its card, only once it ends
+            remove_end_of_run_files(args.output_dir, task.pictures)
         write_json(args.output_dir / "args.json", record)
         # A resumed run drops what the interrupted one logged after its checkpoint; a new run starts afresh.
         keep_records_up_to(args.output_dir / "metrics.jsonl", state.global_step)

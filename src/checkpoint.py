@@ -154,6 +154,22 @@ def remove_run_files(output_dir: Path, keep=()):
             path.unlink()
 
 
+# What the end of a run writes into its folder (the model, whole, sharded or an adapter, with its configs; the card,
+# results and curves) and evaluate.py beside it. The tokenizer's files, the same on a resume, are left.
+END_OF_RUN_FILES = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "adapter_model.*",
+                    "config.json", "generation_config.json", "adapter_config.json", "README.md", RESULTS_FILE,
+                    "training_curves.png", "eval_results.json", "predictions.csv")  # fmt: skip
+
+
+def remove_end_of_run_files(output_dir: Path, pictures=()):
+    """What the end of the run that a resume continues wrote, and evaluate.py's results (with the task's `pictures`):
+    the resumed run writes its own as it ends, and an old one beside them would be read with them (a merged model's
+    config.json beside a new adapter's files) or describe a model that is gone. Other files, the user's, stay."""
+    for pattern in (*END_OF_RUN_FILES, *pictures):
+        for path in Path(output_dir).glob(pattern):
+            path.unlink()
+
+
 def remove_checkpoints(output_dir: Path, only_incomplete: bool = False, after_step: int | None = None) -> list[str]:
     """All checkpoints, or only the folders of saves cut short (by SIGKILL, SIGQUIT or a crash) and, `after_step`
     given (a resume from an earlier checkpoint), those saved after it: they belong to a continuation that the resumed

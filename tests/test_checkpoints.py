@@ -211,12 +211,15 @@ def test_resuming_a_finished_run_only_evaluates(tiny_model, data, tmp_path):
     stale = ["adapter_config.json", "eval_results.json", "predictions.csv", "confusion_matrix.png"]
     for name in stale:
         (out / name).write_text("{}")
+    (out / "notes.md").write_text("mine")  # the user's, and a job's log appended to: they stay
+    (out / "train.log").write_text("started\n")
     logged = logged_steps(out)
     again = run_main(
         *train_args(tiny_model, *data, out, "--num_train_epochs", "1", "--resume_from_checkpoint", "latest")
     )
     assert again["global_step"] == first["global_step"] and again["eval_accuracy"] == first["eval_accuracy"]
     assert not any((out / name).exists() for name in stale) and (out / "model.safetensors").is_file()
+    assert (out / "notes.md").read_text() == "mine" and (out / "train.log").is_file()
     assert logged_steps(out)[: len(logged)] == logged, "the run's records, which the resume continues, are kept"
     # Resumed for fewer steps than its checkpoint's, it would end at once with the checkpoint as its final model.
     shorter = ["--max_train_steps", str(first["global_step"] - 1), "--resume_from_checkpoint", "latest"]

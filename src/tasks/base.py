@@ -53,6 +53,7 @@ class Task:
     default_learning_rate = 5e-5  # --learning_rate when not given
     lower_is_better = ("loss",)  # metrics for which the best model has the lowest value
     top_level_metrics = ()  # evaluation metrics that all_results.json also holds without their eval_ prefix
+    pictures = ()  # the files that write_pictures may write
     # The model predicts each next token: an encoder checkpoint is switched to causal attention (src/model.py), and
     # the KV cache stays on in its config, for generation (the task's step turns it off in training and scoring).
     predicts_next_token = False

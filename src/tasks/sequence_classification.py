@@ -40,6 +40,7 @@ class SequenceClassification(Task):
     peft_task_type = "SEQ_CLS"
     lower_is_better = ("loss", "mse")
     name = "sequence-classification"
+    pictures = ("confusion_matrix.png", "predictions_vs_labels.png")
 
     @staticmethod
     def add_arguments(parser):
@@ -318,8 +319,8 @@ class SequenceClassification(Task):
 
     def write_pictures(self, columns: dict, output_dir) -> list[str]:
         """A confusion matrix, or predicted-vs-true for regression; multi-label has per-label F1 in its results."""
-        for name in ("confusion_matrix.png", "predictions_vs_labels.png"):  # an earlier evaluation's, into this folder
-            (output_dir / name).unlink(missing_ok=True)  # would stand beside predictions that it does not show
+        for name in self.pictures:  # an earlier evaluation's, into this folder, would stand beside predictions that
+            (output_dir / name).unlink(missing_ok=True)  # it does not show
         if "label" not in columns or self.is_multi_label:
             return []
         from src.plots import plot_confusion_matrix, plot_regression
