@@ -356,7 +356,7 @@ def test_the_model_card_shows_how_to_generate_and_that_runs(tmp_path, tiny_decod
     assert printed.startswith("[CLS] [UNK] [SEP]") and len(printed.split()) > 3, printed
 
 
-def test_the_saved_model_stops_at_the_eos_it_learnt_and_at_its_own(tmp_path, tiny_decoders, monkeypatch):
+def test_the_saved_model_stops_at_the_eos_it_learnt_and_at_its_own(tmp_path, tiny_decoders, monkeypatch, caplog):
     """A chat model's generation config may end answers at its end of turn, another token than its tokenizer's EOS,
     which training appends to every answer. What generates with the saved model, whole, merged or an adapter, as the
     model card shows, stops at both."""
@@ -384,6 +384,15 @@ def test_the_saved_model_stops_at_the_eos_it_learnt_and_at_its_own(tmp_path, tin
             patch.setattr(GenerationMixin, "generate", recorded)
             run_model_card_snippet(out)
         assert stops.pop() == [2, end_of_turn], name
+    # A published config that transformers only warns about (greedy, with a temperature) would be refused, changed,
+    # as the run saves it: kept as it came, and said so at the start.
+    (base / "generation_config.json").write_text(json.dumps({**settings, "eos_token_id": [end_of_turn],
+                                                             "do_sample": False, "temperature": 0.7}))  # fmt: skip
+    with caplog.at_level("WARNING"):
+        run_in_process("train", train_args(base, train, train, tmp_path / "kept", "--max_length", "16",
+                                           "--max_train_steps", "1"))  # fmt: skip
+    assert json.loads((tmp_path / "kept" / "generation_config.json").read_text())["eos_token_id"] == [end_of_turn]
+    assert "keeps the model's own end tokens only" in caplog.text
 
 
 def test_the_text_model_cards_prompt_goes_on_without_the_eos_that_ends_a_text(tmp_path, tiny_model, monkeypatch):

@@ -8,6 +8,7 @@ TRL's defaults: a completion only (--completion_only_loss), every token of a cha
 """
 
 import bisect
+import copy
 import hashlib
 import math
 import re
@@ -184,16 +185,32 @@ class CausalLM(Task):
             )
         return tokenizer
 
-    # --- the data ---
     def build_model(self, args, tokenizer, mixed_precision: str):
         from src.generation import stop_tokens
 
         model = super().build_model(args, tokenizer, mixed_precision)
         # Saved with the model (generation_config.json): whatever generates with it (the model card's snippet, a
         # pipeline) stops where training taught it to, at the EOS appended to every answer, and at its own.
-        model.generation_config.eos_token_id = stop_tokens(tokenizer, model.generation_config)
+        settings = model.generation_config if model.can_generate() else None  # None: older remote code
+        if settings is None:
+            return model
+        eos, stops = settings.eos_token_id, stop_tokens(tokenizer, settings)
+        if set(stops) == set([eos] if isinstance(eos, int) else eos or []):
+            return model
+        # Changed, transformers checks the config strictly as it saves it, at the end of the run: checked now, so
+        # that a published config it only warns about (do_sample off with a temperature) is kept as it came.
+        changed = copy.deepcopy(settings)
+        changed.eos_token_id = stops
+        try:
+            changed.validate(strict=True)
+            model.generation_config = changed
+        except ValueError:
+            logger.warning("the saved generation_config.json keeps the model's own end tokens only (transformers "
+                           "refuses to save it changed, as it is inconsistent): generate() with "
+                           "eos_token_id=tokenizer.eos_token_id as well")  # fmt: skip
         return model
 
+    # --- the data ---
     def features(self, dataset: Dataset, tokenizer, max_length: int, num_proc: int | None = None) -> Dataset:
         """input_ids and labels (-100 where nothing is to be learnt: prompts, user turns, padding)."""
         columns = dataset.column_names  # a validation file may be in another format than the training data's
