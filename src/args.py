@@ -840,6 +840,7 @@ def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argpars
     """Parse `argv` (default: sys.argv; in a notebook, nothing), with `--config`'s values before the command line."""
     command_line = _command_line(argv)
     first = parser.parse_args(command_line)
+    _refuse_empty_paths(parser, command_line, first.config)
     if sum(word == "--config" or word.startswith("--config=") for word in command_line) > 1:  # argparse keeps the last
         parser.error("--config given more than once: merge the files into one (the command line still wins over it)")
     if first.config is None:
@@ -857,6 +858,19 @@ def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argpars
             parser.error(f"--{flag} is overridden by --config {first.config}'s {winner}: drop {winner} from the file, "
                          f"or give --{winner} instead")  # fmt: skip
     return parser.parse_args(words + command_line)
+
+
+def _refuse_empty_paths(parser: ArgumentParser, command_line: list[str], config: Path | None):
+    """An empty path (`--train_file ''`) drops what the --config file gives; with nothing to drop it is a mistake, as
+    a script's unset variable (`--train_file "$TRAIN"`), which would otherwise train the demo without a word."""
+    options = parser._option_string_actions
+    in_file = {options[f"--{key}"].dest for key in (_read_config(parser, config) if config else {})
+               if f"--{key}" in options}  # fmt: skip
+    for word, after in zip(command_line, [*command_line[1:], None]):
+        flag, equals, value = word.partition("=")
+        action = options.get(flag)
+        if action and action.type is _path and (value if equals else after) == "" and action.dest not in in_file:
+            parser.error(f"{flag} is empty: an empty path only drops a --config file's (an unset variable?)")
 
 
 def parse_train_args(argv: list[str] | None = None) -> Flags:

@@ -344,9 +344,15 @@ def test_an_empty_path_or_name_on_the_command_line_drops_the_config_files(tmp_pa
     with pytest.raises(SystemExit):
         parse_train_args(["--config", str(config)])
     assert "not both (an empty value drops a --config file's: --train_file '')" in capsys.readouterr().err
+    config.write_text("output_dir: runs/a\n")
     with pytest.raises(SystemExit):
-        parse_train_args(["--output_dir", ""])
+        parse_train_args(["--config", str(config), "--output_dir", ""])
     assert "--output_dir is empty: name the folder that the run writes to" in capsys.readouterr().err
+    # With nothing to drop, an empty path is a mistake (a script's unset variable), not a request for the demo.
+    for argv in (["--train_file", ""], ["--config="], ["--config", str(config), "--validation_file", ""]):
+        with pytest.raises(SystemExit):
+            parse_train_args(argv)
+        assert "is empty: an empty path only drops a --config file's" in capsys.readouterr().err
 
 
 def test_a_flag_that_the_config_files_other_flag_overrides_is_refused(tmp_path, capsys):
