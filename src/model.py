@@ -50,7 +50,7 @@ def _load(what, loader, name_or_path, flag="--model_name_or_path", **kwargs):
                 f"--model_name_or_path {name_or_path} has a classification head for another number of labels; "
                 "drop --no-ignore_mismatched_sizes to give it a new head"
             ) from err
-        if what == "model" and (Path(name_or_path) / "adapter_config.json").is_file():  # train.py --use_peft's output
+        if "model" in what and (Path(name_or_path) / "adapter_config.json").is_file():  # train.py --use_peft's output
             raise UserError(
                 f"{flag} {name_or_path} holds a LoRA adapter, not a whole model: start from its base model (its "
                 "adapter_config.json names it), or save the adapter merged into it (--use_peft --merge_lora)"

@@ -243,6 +243,13 @@ def test_lora_sft_on_chat_rows_and_evaluate_py_reproduces_it(chat_lora_run, tmp_
     assert words[:9] == ["<s>"] + ["<unk>"] * 4 + ["</s>"] + ["<unk>"] * 3 and len(words) > 9, words
 
 
+def test_a_causal_lm_adapters_folder_is_no_model_to_start_a_run_from(chat_lora_run, tmp_path):
+    """It has no config.json (see save_model): its config, not its weights, is what fails to load."""
+    out, dev = chat_lora_run["out"], chat_lora_run["dev"]
+    with pytest.raises(UserError, match=f"--model_name_or_path {out} holds a LoRA adapter, not a whole model"):
+        run_in_process("train", train_args(out, dev, dev, tmp_path / "next"))
+
+
 def test_a_lora_folder_loads_with_plain_auto_model_for_causal_lm_as_trls_do(chat_lora_run):
     """TRL users load an SFT adapter with `AutoModelForCausalLM.from_pretrained(folder)`: transformers then builds the
     base and puts the adapter on it, unless the folder holds a config.json, which it takes for a whole model."""
