@@ -24,9 +24,10 @@ def write_model_card(output_dir: Path, settings: dict, results: dict, task):
     # The code loads the model from the Hub once pushed, else from this folder by its absolute path (a relative one
     # would mean something else, or a Hub name, from another folder); an adapter's base likewise, from where this
     # run loaded it (a local folder runs offline).
-    pushed = settings.get("push_to_hub")
+    pushed, loaded_from = settings.get("push_to_hub"), settings.get("model_name_or_path")
     where = settings.get("hub_model_id") if pushed else str(output_dir.resolve())
-    card = task.model_card(where, base_name if pushed else settings.get("model_name_or_path") or base_name, adapter)
+    local = not pushed and loaded_from and Path(loaded_from).is_dir()
+    card = task.model_card(where, str(Path(loaded_from).resolve()) if local else base_name, adapter)
     if card.get("new_model"):  # the task's own model, built with random weights: base_name gave its tokenizer only
         base = None
 

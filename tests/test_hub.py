@@ -253,9 +253,16 @@ def test_the_card_of_the_packaged_model_names_it_by_its_hub_id(tmp_path):
         settings = {"model_name_or_path": default_model_path(), "push_to_hub": pushed, "hub_model_id": "me/tuned"}
         write_model_card(tmp_path, settings, {}, BINARY)
         card = (tmp_path / "README.md").read_text()
-        assert (
-            f'from_pretrained("{base}", config=config' in card and f'PeftModel.from_pretrained(base, "{where}")' in card
-        )
+        assert f'from_pretrained("{base}", config=config' in card, pushed
+        assert f'PeftModel.from_pretrained(base, "{where}")' in card, pushed
+    # A base in a folder given by a relative path: by its absolute one, as the folder (the path means another folder,
+    # or a Hub name, from elsewhere).
+    (tmp_path / "models" / "base").mkdir(parents=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        write_model_card(tmp_path, {"model_name_or_path": "models/base"}, {}, BINARY)
+    card = (tmp_path / "README.md").read_text()
+    assert f'from_pretrained("{tmp_path.resolve() / "models" / "base"}", config=config' in card
 
 
 def test_a_task_that_gives_no_usage_gets_the_evaluate_py_command(tmp_path):
