@@ -179,6 +179,12 @@ def make_accelerator(args, saved_precision: str | None, find_unused_parameters: 
     # single-process runs instead of N ranks of one. The process group comes first: rank 0 may time both
     # precisions on this machine's threads, and every rank takes its answer.
     state = PartialState(cpu=on_cpu, timeout=timedelta(seconds=args.ddp_timeout))
+    if state.num_processes < int(os.environ.get("WORLD_SIZE", "1")):  # made before this, without cpu=True
+        raise UserError(
+            f"{os.environ['WORLD_SIZE']} processes were launched, and accelerate's state, set up before train.py's "
+            f"Accelerator (by a tracker's __init__, say), has {state.num_processes}: each would train alone; create "
+            "nothing of accelerate's before build_accelerator (a tracker: in its start())"
+        )
     if not on_cpu:  # TF32: what stays fp32 runs on tensor cores too, in evaluate.py as in training's evaluations
         torch.set_float32_matmul_precision("high")
     threads = set_cpu_threads(args.cpu_threads) if on_cpu else torch.get_num_threads()

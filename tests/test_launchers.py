@@ -199,6 +199,20 @@ def test_more_processes_than_cores_on_a_machine_without_gpus_are_told_to_use_few
     assert "share this machine's" not in caplog.text
 
 
+def test_accelerates_state_made_before_the_accelerator_in_a_launched_process_is_one_line(monkeypatch):
+    """A tracker of one's own whose __init__ asks accelerate's state (its guide's @on_main_process does) makes it
+    without make_accelerator's cpu=True: on a CPU each launched process would train alone."""
+    from accelerate import PartialState
+
+    from src.errors import UserError
+
+    PartialState()  # as that __init__ would, in one of the 2 processes a launcher started
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = SimpleNamespace(ddp_timeout=60, cpu_threads=None, mixed_precision="no")
+    with pytest.raises(UserError, match="2 processes were launched, and accelerate's state, set up before train.py"):
+        make_accelerator(args, None)
+
+
 def test_a_callers_own_ddp_settings_are_kept():
     """build_accelerator is where a user adds Accelerate handlers: theirs stand beside (or instead of) ours."""
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
