@@ -66,10 +66,10 @@ def build_scheduler(optimizer, args, max_train_steps: int):
         scheduler = get_scheduler(args.lr_scheduler_type, optimizer, **steps, scheduler_specific_kwargs=options)
         # A value the schedule cannot use ("3" for num_cycles) fails only where the warmup ends: tried here, not
         # hours into the run.
-        for rate_at in scheduler.lr_lambdas:
+        for rate_at in getattr(scheduler, "lr_lambdas", []):  # a LambdaLR, as all of SCHEDULERS are
             rate_at(steps["num_warmup_steps"]), rate_at(max_train_steps)
-    except (TypeError, ValueError) as err:  # a keyword the schedule does not take, or a value it cannot use
-        if not options:
-            raise
-        raise UserError(f"--lr_scheduler_kwargs {json.dumps(options)}: {err}") from err
+    except (TypeError, ValueError) as err:  # a keyword the schedule does not take or lacks, a value it cannot use
+        given = f" --lr_scheduler_kwargs {json.dumps(options)}" if options else ""
+        raise UserError(f"--lr_scheduler_type {args.lr_scheduler_type}{given}: {err} (the schedule's own arguments "
+                        "go in --lr_scheduler_kwargs)") from err  # fmt: skip
     return scheduler

@@ -97,6 +97,10 @@ def test_the_schedules_own_arguments(capsys):
     assert [rate_at(step) for step in (2, 3)] == pytest.approx([2 / 3, 1.0])
     with pytest.raises(train.UserError, match="--lr_scheduler_type constant takes no --lr_scheduler_kwargs"):
         rates("--lr_scheduler_kwargs", '{"num_cycles": 2}', "--lr_scheduler_type", "constant")
+    # A schedule of transformers' added to SCHEDULERS (src/args.py) whose own arguments are missing: one line too.
+    wsd = argparse.Namespace(**{**vars(args), "lr_scheduler_type": "warmup_stable_decay"})
+    with pytest.raises(train.UserError, match="type warmup_stable_decay: .*num_decay_steps.* go in --lr_scheduler_kw"):
+        train.build_scheduler(optimizer, wsd, 10)
     with pytest.raises(SystemExit):
         rates("--lr_scheduler_kwargs", "num_cycles=2")
     assert "--lr_scheduler_kwargs: must be a JSON object" in capsys.readouterr().err
