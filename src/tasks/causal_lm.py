@@ -126,7 +126,8 @@ class CausalLM(Task):
             except OSError as err:
                 raise UserError(f"--chat_template_path {args.chat_template_path}: {err.strerror}; it takes a Jinja "
                                 "template file (a tokenizer's is its chat_template.jinja)") from err  # fmt: skip
-        return cls(fmt, args.completion_only_loss, args.assistant_only_loss, args.packing,
+        return cls(format=fmt, completion_only_loss=args.completion_only_loss,
+                   assistant_only_loss=args.assistant_only_loss, packing=args.packing,
                    text_column=args.text_column or "text", chat_template=template)  # fmt: skip
 
     @classmethod
@@ -145,8 +146,9 @@ class CausalLM(Task):
             logger.warning(f"the model was trained on {record['format']} rows and this data is {fmt}: it is scored as "
                            f"{fmt}, and its loss is not comparable with the training run's")  # fmt: skip
         # Runs recorded before these options existed learnt completions only, and every token of a chat.
-        return cls(fmt, record.get("completion_only_loss", True), record.get("assistant_only_loss", False),
-                   record.get("packing", False), text_column=text_column or "text")  # fmt: skip
+        return cls(format=fmt, completion_only_loss=record.get("completion_only_loss", True),
+                   assistant_only_loss=record.get("assistant_only_loss", False), packing=record.get("packing", False),
+                   text_column=text_column or "text")  # fmt: skip
 
     def record(self) -> dict:
         # The template's text, by its hash: a resume must render the same tokens whatever path names the file.

@@ -119,7 +119,8 @@ class SequenceClassification(Task):
         saved = record.get("class_weight_values")
         weights = tuple(saved[n] for n in names) if saved and set(saved) == set(names) else None
         threshold = args.multi_label_threshold or record.get("multi_label_threshold") or 0.5
-        return cls(problem_type, tuple(names), weights, threshold, columns)
+        return cls(problem_type=problem_type, label_names=tuple(names), class_weights=weights, threshold=threshold,
+                   columns=columns)  # fmt: skip
 
     @staticmethod
     def trained_labels(model_dir, args) -> tuple[str, list[str]]:

@@ -79,9 +79,9 @@ class TokenClassification(Task):
                 values |= {f"{edge}-{tag[2:]}" for tag in values if tag != "O" for edge in "BI"}
             # Tag numbers without ClassLabel names (a Hub dataset saved as JSON) are named by their numbers.
             names = [str(value) for value in sorted(values)]
-        task = cls(
-            in_checkpoint_order(args, tuple(names)), found, args.label_all_tokens, args.return_entity_level_metrics
-        )
+        task = cls(label_names=in_checkpoint_order(args, tuple(names)), columns=found,
+                   label_all_tokens=args.label_all_tokens,
+                   return_entity_level_metrics=args.return_entity_level_metrics)  # fmt: skip
         odd = [name for name in names if not _is_entity_tag(name)]
         if 0 < len(odd) < len(names) / 2:  # a few rows' slips turn entity F1 into per-word accuracy
             logger.warning(f"{tags!r} holds IOB entity tags and {', '.join(map(repr, odd[:5]))}, which are not: "
@@ -108,7 +108,8 @@ class TokenClassification(Task):
                             "it with --text_column (and the tags' with --label_column)")  # fmt: skip
         asked = getattr(args, "return_entity_level_metrics", None)  # evaluate.py's flag, else the run's
         entity_level = record.get("return_entity_level_metrics", False) if asked is None else asked
-        task = cls(names, columns, record.get("label_all_tokens", False), entity_level)
+        task = cls(label_names=names, columns=columns, label_all_tokens=record.get("label_all_tokens", False),
+                   return_entity_level_metrics=entity_level)  # fmt: skip
         # A run's record from before the refusal may hold the flag with other tags: those get per-word scores.
         return task.entity_scores_possible() if asked else task
 
