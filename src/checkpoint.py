@@ -387,8 +387,9 @@ def load_checkpoint(accelerator, path: Path, record: dict, task_flags=(), task_s
         accelerator.load_state(str(path))
     except Exception as err:  # torch, safetensors and pickle each raise their own types for a damaged file
         raise UserError(
-            f"checkpoint {path} cannot be loaded ({' '.join(str(err).split())[:300]}); it is damaged or from "
-            f"another model: use an earlier checkpoint{_earlier(path)}"
+            f"checkpoint {path} cannot be loaded ({' '.join(str(err).split())[:300]}); it is damaged, or from "
+            f"another model, or a flag that shapes the model or optimizer changed (a flag of your own belongs in "
+            f"SAME_ON_RESUME, src/checkpoint.py): use an earlier checkpoint{_earlier(path)}, or the run's flags"
         ) from err
     # Without a shared file system each node picks its own 'latest': every rank must have the same step.
     steps = accelerator.gather(torch.tensor([state.global_step], device=accelerator.device))
