@@ -109,10 +109,11 @@ def run_cli(main, parse_args):
     except UserError as err:
         # Every rank that hits the error says so: a rank-local problem must not go unreported.
         _say(f"{_rank()}error: {err}")
-        sys.exit(2)
+        # Not chained to the error: IPython's %run shows a chained SystemExit as a crash of its own (100 lines).
+        raise SystemExit(2) from None
     except KeyboardInterrupt:  # Ctrl-C outside the training loop, which turns it into a checkpoint (src/signals.py)
         _say(f"{_rank()}interrupted")
-        sys.exit(130)  # as a shell reports a process ended by SIGINT
+        raise SystemExit(130) from None  # as a shell reports a process ended by SIGINT
     finally:
         process_ends_with_main = False
         if ends_with_main:

@@ -457,6 +457,21 @@ def test_a_script_keeps_a_failed_runs_variables_and_a_kernel_does_not(monkeypatc
     assert src.errors.process_ends_with_main is False, "only while run_cli runs main()"
 
 
+@pytest.mark.parametrize("raised,status", [(UserError("a mistake"), 2), (KeyboardInterrupt(), 130)])
+def test_run_clis_exit_is_not_chained_to_the_error(raised, status, capsys):
+    """IPython's %run (8.12) shows a SystemExit chained to another exception as a crash of its own, 100 lines after
+    the one-line error."""
+    import src.errors
+
+    def main(_):
+        raise raised
+
+    with pytest.raises(SystemExit) as exited:
+        src.errors.run_cli(main, lambda: None)
+    assert exited.value.code == status and exited.value.__suppress_context__ and exited.value.__cause__ is None
+    assert capsys.readouterr().err in ("error: a mistake\n", "interrupted\n")
+
+
 def test_a_ranks_error_line_is_one_write(monkeypatch):
     """Each rank writes its error line to the shared stderr in one write, newline included: written apart (as print()
     does), another rank's line could come between them, and two errors read as one line."""
