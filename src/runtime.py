@@ -6,6 +6,7 @@ drops at its end), a refusal of FSDP where it cannot shard, and when the scripts
 
 import gc
 import os
+import sys
 import traceback
 from contextlib import contextmanager
 from datetime import timedelta
@@ -227,6 +228,17 @@ def let_go_of_the_variables(err: BaseException):
     gc.collect()
 
 
+def _called_by_a_reimported_script() -> bool:
+    """Whether the module-level code of a script that multiprocessing imports again, as `__mp_main__`, to start a
+    spawned worker or fork server, is what calls: a target function of torch.multiprocessing.spawn is not."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextmanager
 def accelerate_state_of_this_run():
     """Around main(): Accelerate's state of the process that main() sets up (precision, devices, the ended process
@@ -236,6 +248,11 @@ def accelerate_state_of_this_run():
     caller's float32 matmul precision, which a run on a GPU sets to TF32. What a failed run held is let go with it."""
     from accelerate.state import AcceleratorState, GradientState
 
+    if _called_by_a_reimported_script():
+        raise UserError(
+            "main() called as a collating worker (or its fork server) imported your script, which calls it outside "
+            '`if __name__ == "__main__":`; a second run would start in the worker: put the calls under that guard'
+        )
     callers_partial_state, callers_accelerator = bool(PartialState._shared_state), bool(AcceleratorState._shared_state)
     try:
         matmul_precision = torch.get_float32_matmul_precision()

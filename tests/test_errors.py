@@ -472,6 +472,21 @@ def test_run_clis_exit_is_not_chained_to_the_error(raised, status, capsys):
     assert capsys.readouterr().err in ("error: a mistake\n", "interrupted\n")
 
 
+def test_main_called_by_a_script_that_a_worker_imports_again_is_one_line():
+    """A script looping over seeds without `if __name__ == "__main__":` is imported again, as `__mp_main__`, by the
+    fork server of collating workers, whose import would start a second run (and meet the first's folder lock). A
+    function that multiprocessing runs in a spawned process (torch.multiprocessing.spawn's target) may call main()."""
+    from src.runtime import accelerate_state_of_this_run
+
+    run = "with accelerate_state_of_this_run():\n    pass\n"
+    script = run + "def target():\n" + "".join(f"    {line}\n" for line in run.splitlines())
+    imported_again = {"__name__": "__mp_main__", "accelerate_state_of_this_run": accelerate_state_of_this_run}
+    with pytest.raises(UserError, match='imported your script, which calls it outside `if __name__ == "__main__":`'):
+        exec(compile(script, "seeds.py", "exec"), imported_again)
+    exec(compile(script.split("\n", 2)[2], "seeds.py", "exec"), imported_again)
+    imported_again["target"]()  # no error
+
+
 def test_a_ranks_error_line_is_one_write(monkeypatch):
     """Each rank writes its error line to the shared stderr in one write, newline included: written apart (as print()
     does), another rank's line could come between them, and two errors read as one line."""
