@@ -757,14 +757,13 @@ def _read_config(parser: ArgumentParser, path: Path) -> dict:
     return loaded or {}
 
 
-def _config_words(parser: ArgumentParser, path: Path, left_out: tuple[str, ...] = ()) -> list[str]:
-    """The YAML file's keys and values as command-line words, checked against the parser's flags; keys of the flags in
-    `left_out` are checked and left out."""
+def _config_words(parser: ArgumentParser, path: Path, config: dict, left_out: tuple[str, ...] = ()) -> list[str]:
+    """The YAML file's keys and values (`config`, read from `path`) as command-line words, checked against the
+    parser's flags; keys of the flags in `left_out` are checked and left out."""
     # Every spelling of a flag (text_column and text_column_name, max_length and block_size) is a key; an on/off
     # switch's --no- form is not: `flag: false` says it.
     actions = {option[2:]: action for action in parser._actions for option in action.option_strings
                if option.startswith("--") and not option.startswith("--no-")}  # fmt: skip
-    config = _read_config(parser, path)
     if unknown := [str(key) for key in config if key not in actions or key == "help"]:  # all at once, not one a run
         hints = "; ".join(_key_hint(key, config.get(key), actions, parser.other_tasks_flags) for key in unknown)
         if parser.prog == "evaluate.py" and set(unknown) & {o[2:] for a in build_train_parser()._actions
@@ -840,7 +839,8 @@ def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argpars
     """Parse `argv` (default: sys.argv; in a notebook, nothing), with `--config`'s values before the command line."""
     command_line = _command_line(argv)
     first = parser.parse_args(command_line)
-    _refuse_empty_paths(parser, command_line, first.config)
+    config = _read_config(parser, first.config) if first.config else {}
+    _refuse_empty_paths(parser, command_line, config)
     if sum(word == "--config" or word.startswith("--config=") for word in command_line) > 1:  # argparse keeps the last
         parser.error("--config given more than once: merge the files into one (the command line still wins over it)")
     if first.config is None:
@@ -851,7 +851,7 @@ def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argpars
     peft.add_argument("--use_peft", action=Switch, default=None)
     peft_off = peft.parse_known_args(command_line)[0].use_peft is False
     left_out = (*LORA_SETTINGS, "merge_lora") if peft_off else ()
-    words = _config_words(parser, first.config, left_out)
+    words = _config_words(parser, first.config, config, left_out)
     given = {word[2:].split("=")[0] for word in command_line if word.startswith("--")}
     for flag, winner in WINS_OVER.items():  # the command line's flag would lose to the file's, without a word
         if flag in given and winner not in given and f"--{winner}" in words:
@@ -860,12 +860,11 @@ def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argpars
     return parser.parse_args(words + command_line)
 
 
-def _refuse_empty_paths(parser: ArgumentParser, command_line: list[str], config: Path | None):
-    """An empty path (`--train_file ''`) drops what the --config file gives; with nothing to drop it is a mistake, as
-    a script's unset variable (`--train_file "$TRAIN"`), which would otherwise train the demo without a word."""
+def _refuse_empty_paths(parser: ArgumentParser, command_line: list[str], config: dict):
+    """An empty path (`--train_file ''`) drops what the --config file (`config`) gives; with nothing to drop it is a
+    mistake, as a script's unset variable (`--train_file "$TRAIN"`), which would otherwise train the demo silently."""
     options = parser._option_string_actions
-    in_file = {options[f"--{key}"].dest for key in (_read_config(parser, config) if config else {})
-               if f"--{key}" in options}  # fmt: skip
+    in_file = {options[f"--{key}"].dest for key in config if f"--{key}" in options}
     for word, after in zip(command_line, [*command_line[1:], None]):
         flag, equals, value = word.partition("=")
         action = options.get(flag)

@@ -165,6 +165,8 @@ def remove_end_of_run_files(output_dir: Path, pictures=()):
     """What the end of the run that a resume continues wrote, and evaluate.py's results (with the task's `pictures`):
     the resumed run writes its own as it ends, and an old one beside them would be read with them (a merged model's
     config.json beside a new adapter's files) or describe a model that is gone. Other files, the user's, stay."""
+    if not (Path(output_dir) / RECORD_FILE).is_file():  # a resume into a new folder: nothing there is ours
+        return
     for pattern in (*END_OF_RUN_FILES, *pictures):
         for path in Path(output_dir).glob(pattern):
             path.unlink()

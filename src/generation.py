@@ -12,11 +12,16 @@ from src.model import positions
 logger = get_logger(__name__)
 
 
-def stop_tokens(tokenizer, generation_config) -> list[int]:
-    """The tokens that end an answer: the tokenizer's EOS, which train.py appends to every answer, and the model's own
-    (`generation_config.eos_token_id`: one, a list, or none), such as a chat model's end of turn."""
+def end_tokens(generation_config) -> set[int]:
+    """The model's own end tokens (`eos_token_id`: one, a list, or none), such as a chat model's end of turn."""
     eos = generation_config.eos_token_id
-    return sorted({tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])} - {None})
+    return {eos} if isinstance(eos, int) else set(eos or [])
+
+
+def stop_tokens(tokenizer, generation_config) -> list[int]:
+    """The tokens that end an answer: the tokenizer's EOS, which train.py appends to every answer, and the model's
+    own."""
+    return sorted({tokenizer.eos_token_id, *end_tokens(generation_config)} - {None})
 
 
 def generate(model, prompts: list[list[int]], tokenizer, accelerator, batch_size: int, max_new_tokens: int,

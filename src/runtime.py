@@ -182,8 +182,8 @@ def make_accelerator(args, saved_precision: str | None, find_unused_parameters: 
     state = PartialState(cpu=on_cpu, timeout=timedelta(seconds=args.ddp_timeout))
     if state.num_processes < int(os.environ.get("WORLD_SIZE", "1")):  # made before this, without cpu=True
         raise UserError(
-            f"{os.environ['WORLD_SIZE']} processes were launched, and accelerate's state, set up before train.py's "
-            f"Accelerator (by a tracker's __init__, say), has {state.num_processes}: each would train alone; create "
+            f"{os.environ['WORLD_SIZE']} processes were launched, and accelerate's state, set up before the run's "
+            f"Accelerator (by a tracker's __init__, say), has {state.num_processes}: each would run alone; create "
             "nothing of accelerate's before build_accelerator (a tracker: in its start())"
         )
     if not on_cpu:  # TF32: what stays fp32 runs on tensor cores too, in evaluate.py as in training's evaluations

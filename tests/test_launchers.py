@@ -209,7 +209,7 @@ def test_accelerates_state_made_before_the_accelerator_in_a_launched_process_is_
     PartialState()  # as that __init__ would, in one of the 2 processes a launcher started
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = SimpleNamespace(ddp_timeout=60, cpu_threads=None, mixed_precision="no")
-    with pytest.raises(UserError, match="2 processes were launched, and accelerate's state, set up before train.py"):
+    with pytest.raises(UserError, match="2 processes were launched, and accelerate's state, set up before the run's"):
         make_accelerator(args, None)
 
 

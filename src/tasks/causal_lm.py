@@ -188,7 +188,7 @@ class CausalLM(Task):
         return tokenizer
 
     def build_model(self, args, tokenizer, mixed_precision: str):
-        from src.generation import stop_tokens
+        from src.generation import end_tokens, stop_tokens
 
         model = super().build_model(args, tokenizer, mixed_precision)
         # Saved with the model (generation_config.json): whatever generates with it (the model card's snippet, a
@@ -196,8 +196,8 @@ class CausalLM(Task):
         settings = model.generation_config if model.can_generate() else None  # None: older remote code
         if settings is None:
             return model
-        eos, stops = settings.eos_token_id, stop_tokens(tokenizer, settings)
-        if set(stops) == set([eos] if isinstance(eos, int) else eos or []):
+        stops = stop_tokens(tokenizer, settings)
+        if set(stops) == end_tokens(settings):  # the tokenizer's EOS is among them already
             return model
         # Changed, transformers checks the config strictly as it saves it, at the end of the run: checked now, so
         # that a published config it only warns about (do_sample off with a temperature) is kept as it came.
